@@ -1,0 +1,84 @@
+"""Choose between the Triton kernel and the pure-torch reference, and flatten inputs."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..stats.layout import init_row_tensor, merge_into
+from ..stats.reference import reference_row
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_module():
+    try:
+        from . import stats_triton
+    except Exception:  # no triton, or a triton that does not import here
+        return None
+    return stats_triton
+
+
+def triton_usable(device: torch.device, backend: str = "auto") -> bool:
+    """True when the kernel should run for tensors on `device`."""
+    if backend == "torch":
+        return False
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if device.type != "cuda" and not (interp and backend == "triton"):
+        return False
+    mod = _triton_module()
+    if mod is None and backend == "triton":
+        raise RuntimeError("stabilitywatch: backend='triton' asked for but triton does not import")
+    return mod is not None
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor with the same elements (order is irrelevant to the statistics).
+
+    Contiguous tensors and dense permutations (transposes, channels-last) are viewed in place
+    at no cost; only tensors with gaps (strided slices) are copied, which costs one extra read
+    and write of the tensor and a temporary of its size.
+    """
+    t = t.detach()
+    if t.is_contiguous():
+        return t.reshape(-1)
+    if _dense(t):
+        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    return t.reshape(-1)  # copies
+
+
+def _dense(t: torch.Tensor) -> bool:
+    # non-overlapping and dense: sorted by stride, each stride equals the product of the
+    # sizes of the dimensions inside it
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _kernel_ok(t: torch.Tensor, backend: str) -> bool:
+    mod = _triton_module()
+    return (mod is not None and t.dtype in mod.KERNEL_DTYPES
+            and triton_usable(t.device, backend))
+
+
+def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor" = 1.0,
+               backend: str = "auto") -> None:
+    """Merge the statistics of t into `row` (a float64 device row) without a host sync."""
+    if t.numel() == 0:
+        return
+    if _kernel_ok(t, backend):
+        _triton_module().launch_row_stats(flat_view(t), row, scale)
+    else:
+        merge_into(row, reference_row(t, scale))
+
+
+def compute_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0,
+                backend: str = "auto") -> torch.Tensor:
+    """A new statistics row for t."""
+    row = init_row_tensor(t.device)
+    accumulate(t, row, scale, backend)
+    return row

@@ -1,0 +1,215 @@
+"""Fused one-pass statistics kernel (Triton): jit kernel, launcher, public function.
+
+Each program walks the tensor with a grid stride, keeps per-lane accumulators in registers
+(float64 sums, int32 counts, float32 extrema, an int32 exponent histogram) and merges its partial
+row into a float64 row with atomics at the end. Because the merge is atomic the same row can
+take several tensors (micro-batches, repeated calls) and no host work or sync is needed.
+fp8 inputs are read as bytes and decoded with integer arithmetic: the interpreter's own fp8
+decoding is wrong, and this way both paths run the same code.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FORMATS, Fmt
+from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, ROW_DTYPE, Stat, init_row_tensor
+
+_E4M3, _E5M2, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
+
+
+@triton.jit
+def _decode_fp8(b, IS_E5M2: tl.constexpr):
+    # b: int32 in [0, 255] holding the raw fp8 bits.
+    sign = b >> 7
+    if IS_E5M2:
+        e = (b >> 2) & 31
+        m = b & 3
+        normal = (((e - 15 + 127) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 1.52587890625e-05  # 2**-16
+        v = tl.where(e == 0, sub, normal)
+        v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
+    else:
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = (((e - 7 + 127) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125  # 2**-9
+        v = tl.where(e == 0, sub, normal)
+        v = tl.where((e == 15) & (m == 7), float("nan"), v)
+    return tl.where(sign == 1, -v, v)
+
+
+@triton.jit
+def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    over = (fin & (y > MAX)).to(tl.int32)
+    under = (nz & (y <= HALF_SUB)).to(tl.int32)
+    sub = (fin & (y > HALF_SUB) & (y < MIN_NORMAL)).to(tl.int32)
+    return over, under, sub
+
+
+@triton.jit
+def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
+                      FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr,
+                      HBINS: tl.constexpr, HEMIN: tl.constexpr,
+                      E4_MAX: tl.constexpr, E4_HS: tl.constexpr, E4_MN: tl.constexpr,
+                      E5_MAX: tl.constexpr, E5_HS: tl.constexpr, E5_MN: tl.constexpr,
+                      F16_MAX: tl.constexpr, F16_HS: tl.constexpr, F16_MN: tl.constexpr,
+                      O_E4: tl.constexpr, O_E5: tl.constexpr, O_F16: tl.constexpr,
+                      O_HIST: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if HAS_SCALE_PTR:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = scale_val
+    lanes = tl.arange(0, BLOCK)
+    zi = tl.zeros([BLOCK], dtype=tl.int32)
+    c_nan = zi
+    c_pinf = zi
+    c_ninf = zi
+    c_zero = zi
+    c_nz = zi
+    e4o = zi
+    e4u = zi
+    e4s = zi
+    e5o = zi
+    e5u = zi
+    e5s = zi
+    f16o = zi
+    f16u = zi
+    f16s = zi
+    s1 = tl.zeros([BLOCK], dtype=tl.float64)
+    s2 = tl.zeros([BLOCK], dtype=tl.float64)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    amx = tl.full([BLOCK], float("-inf"), tl.float32)
+    amn = tl.full([BLOCK], float("inf"), tl.float32)
+    hist = tl.zeros([HBINS], dtype=tl.int32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        if FP8 == 1:
+            x = _decode_fp8(tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32), False)
+        elif FP8 == 2:
+            x = _decode_fp8(tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32), True)
+        else:
+            x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.float32)
+        a = tl.abs(x)
+        isnan = m & (x != x)
+        pinf = m & (x == float("inf"))
+        ninf = m & (x == float("-inf"))
+        fin = m & (x == x) & (a != float("inf"))
+        zero = fin & (a == 0)
+        nz = fin & (a != 0)
+        c_nan += isnan.to(tl.int32)
+        c_pinf += pinf.to(tl.int32)
+        c_ninf += ninf.to(tl.int32)
+        c_zero += zero.to(tl.int32)
+        c_nz += nz.to(tl.int32)
+        xf = tl.where(fin, x, 0.0)
+        x64 = xf.to(tl.float64)
+        s1 += x64
+        s2 += x64 * x64
+        mn = tl.minimum(mn, tl.where(fin, x, float("inf")))
+        mx = tl.maximum(mx, tl.where(fin, x, float("-inf")))
+        amx = tl.maximum(amx, tl.where(fin, a, float("-inf")))
+        amn = tl.minimum(amn, tl.where(nz, a, float("inf")))
+        y = tl.abs(x * scale)
+        o, u, s = _fmt_counts(y, fin, nz, E4_MAX, E4_HS, E4_MN)
+        e4o += o
+        e4u += u
+        e4s += s
+        o, u, s = _fmt_counts(y, fin, nz, E5_MAX, E5_HS, E5_MN)
+        e5o += o
+        e5u += u
+        e5s += s
+        o, u, s = _fmt_counts(y, fin, nz, F16_MAX, F16_HS, F16_MN)
+        f16o += o
+        f16u += u
+        f16s += s
+        # floor(log2|x|) from the float32 exponent field; float32 subnormals land in bin 0.
+        ex = ((tl.where(nz, a, 1.0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        b = tl.minimum(tl.maximum(ex - HEMIN, 0), HBINS - 1)
+        # lanes that are not nonzero-finite go to bin 0 and are taken back out below
+        hist += tl.histogram(tl.where(nz, b, 0), HBINS)
+
+    if pid == 0:
+        tl.atomic_add(out_ptr + 0, n.to(tl.float64))
+    tl.atomic_add(out_ptr + 1, tl.sum(c_nan, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + 2, tl.sum(c_pinf, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + 3, tl.sum(c_ninf, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + 4, tl.sum(c_zero, 0).to(tl.float64))
+    tl.atomic_min(out_ptr + 5, tl.min(mn, 0).to(tl.float64))
+    tl.atomic_max(out_ptr + 6, tl.max(mx, 0).to(tl.float64))
+    tl.atomic_max(out_ptr + 7, tl.max(amx, 0).to(tl.float64))
+    tl.atomic_min(out_ptr + 8, tl.min(amn, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + 9, tl.sum(s1, 0))
+    tl.atomic_add(out_ptr + 10, tl.sum(s2, 0))
+    tl.atomic_add(out_ptr + O_E4 + 0, tl.sum(e4o, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_E4 + 1, tl.sum(e4u, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_E4 + 2, tl.sum(e4s, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_E5 + 0, tl.sum(e5o, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_E5 + 1, tl.sum(e5u, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_E5 + 2, tl.sum(e5s, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_F16 + 0, tl.sum(f16o, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_F16 + 1, tl.sum(f16u, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_F16 + 2, tl.sum(f16s, 0).to(tl.float64))
+    bins = tl.arange(0, HBINS)
+    n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
+    excess = tl.maximum(n_iter, 0) * BLOCK - tl.sum(c_nz, 0)
+    hist = hist - tl.where(bins == 0, excess, 0)
+    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64))
+
+
+_FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                 torch.float8_e5m2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
+    if _interpreting() or device.type != "cuda":
+        # The interpreter pays per program and per loop step: few, wide programs.
+        block, max_progs = 8192, 4
+    else:
+        block = 1024
+        max_progs = torch.cuda.get_device_properties(device).multi_processor_count * 8
+    return block, max(1, min(triton.cdiv(n, block), max_progs))
+
+
+def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
+                     scale: "float | torch.Tensor" = 1.0) -> None:
+    """Merge the statistics of a flat (1-D, contiguous) tensor into out_row, a float64 row of
+    N_STATS values that holds the identity row or earlier results. No host sync."""
+    n = flat.numel()
+    if n == 0:
+        return
+    fp8 = _FP8_CODE.get(flat.dtype, 0)
+    x = flat.view(torch.uint8) if fp8 else flat
+    has_ptr = isinstance(scale, torch.Tensor)
+    scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
+    scale_val = 1.0 if has_ptr else float(scale)
+    block, progs = _launch_shape(n, flat.device)
+    _row_stats_kernel[(progs,)](
+        x, out_row, scale_ptr, scale_val, n,
+        FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block, HBINS=HIST_BINS, HEMIN=HIST_EMIN,
+        E4_MAX=_E4M3.max, E4_HS=_E4M3.underflow_threshold, E4_MN=_E4M3.min_normal,
+        E5_MAX=_E5M2.max, E5_HS=_E5M2.underflow_threshold, E5_MN=_E5M2.min_normal,
+        F16_MAX=_F16.max, F16_HS=_F16.underflow_threshold, F16_MN=_F16.min_normal,
+        O_E4=FMT_BASE[Fmt.E4M3], O_E5=FMT_BASE[Fmt.E5M2], O_F16=FMT_BASE[Fmt.FP16],
+        O_HIST=int(Stat.HIST),
+    )
+
+
+def triton_row(flat: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch.Tensor:
+    """A new statistics row for a flat tensor, computed by the kernel."""
+    row = init_row_tensor(flat.device)
+    assert row.dtype == ROW_DTYPE and row.numel() == N_STATS
+    launch_row_stats(flat, row, scale)
+    return row
