@@ -43,10 +43,10 @@ def _decode_fp8(b, IS_E5M2: tl.constexpr):
 
 
 @triton.jit
-def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, MIN_NORMAL: tl.constexpr):
+def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, SUB_LIMIT: tl.constexpr):
     over = (fin & (y > MAX)).to(tl.int32)
     under = (nz & (y <= HALF_SUB)).to(tl.int32)
-    sub = (fin & (y > HALF_SUB) & (y < MIN_NORMAL)).to(tl.int32)
+    sub = (fin & (y > HALF_SUB) & (y < SUB_LIMIT)).to(tl.int32)
     return over, under, sub
 
 
@@ -54,9 +54,9 @@ def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, MIN_NORMA
 def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
                       FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr,
                       HBINS: tl.constexpr, HEMIN: tl.constexpr,
-                      E4_MAX: tl.constexpr, E4_HS: tl.constexpr, E4_MN: tl.constexpr,
-                      E5_MAX: tl.constexpr, E5_HS: tl.constexpr, E5_MN: tl.constexpr,
-                      F16_MAX: tl.constexpr, F16_HS: tl.constexpr, F16_MN: tl.constexpr,
+                      E4_MAX: tl.constexpr, E4_HS: tl.constexpr, E4_SL: tl.constexpr,
+                      E5_MAX: tl.constexpr, E5_HS: tl.constexpr, E5_SL: tl.constexpr,
+                      F16_MAX: tl.constexpr, F16_HS: tl.constexpr, F16_SL: tl.constexpr,
                       O_E4: tl.constexpr, O_E5: tl.constexpr, O_F16: tl.constexpr,
                       O_HIST: tl.constexpr):
     pid = tl.program_id(0)
@@ -118,15 +118,15 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
         amx = tl.maximum(amx, tl.where(fin, a, float("-inf")))
         amn = tl.minimum(amn, tl.where(nz, a, float("inf")))
         y = tl.abs(x * scale)
-        o, u, s = _fmt_counts(y, fin, nz, E4_MAX, E4_HS, E4_MN)
+        o, u, s = _fmt_counts(y, fin, nz, E4_MAX, E4_HS, E4_SL)
         e4o += o
         e4u += u
         e4s += s
-        o, u, s = _fmt_counts(y, fin, nz, E5_MAX, E5_HS, E5_MN)
+        o, u, s = _fmt_counts(y, fin, nz, E5_MAX, E5_HS, E5_SL)
         e5o += o
         e5u += u
         e5s += s
-        o, u, s = _fmt_counts(y, fin, nz, F16_MAX, F16_HS, F16_MN)
+        o, u, s = _fmt_counts(y, fin, nz, F16_MAX, F16_HS, F16_SL)
         f16o += o
         f16u += u
         f16s += s
@@ -199,9 +199,9 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     _row_stats_kernel[(progs,)](
         x, out_row, scale_ptr, scale_val, n,
         FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block, HBINS=HIST_BINS, HEMIN=HIST_EMIN,
-        E4_MAX=_E4M3.max, E4_HS=_E4M3.underflow_threshold, E4_MN=_E4M3.min_normal,
-        E5_MAX=_E5M2.max, E5_HS=_E5M2.underflow_threshold, E5_MN=_E5M2.min_normal,
-        F16_MAX=_F16.max, F16_HS=_F16.underflow_threshold, F16_MN=_F16.min_normal,
+        E4_MAX=_E4M3.max, E4_HS=_E4M3.underflow_threshold, E4_SL=_E4M3.subnormal_limit,
+        E5_MAX=_E5M2.max, E5_HS=_E5M2.underflow_threshold, E5_SL=_E5M2.subnormal_limit,
+        F16_MAX=_F16.max, F16_HS=_F16.underflow_threshold, F16_SL=_F16.subnormal_limit,
         O_E4=FMT_BASE[Fmt.E4M3], O_E5=FMT_BASE[Fmt.E5M2], O_F16=FMT_BASE[Fmt.FP16],
         O_HIST=int(Stat.HIST),
     )

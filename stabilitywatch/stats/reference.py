@@ -64,7 +64,7 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
         half_sub = f.underflow_threshold
         vals[base + 0] = count(finite & (y > f.max))
         vals[base + 1] = count(nonzero & (y <= half_sub))
-        vals[base + 2] = count(finite & (y > half_sub) & (y < f.min_normal))
+        vals[base + 2] = count(finite & (y > half_sub) & (y < f.subnormal_limit))
     head = torch.stack(vals[: Stat.HIST])
 
     # floor(log2 |x|) exactly: frexp gives |x| = m * 2**e with m in [0.5, 1).

@@ -1,0 +1,54 @@
+"""Command line: `stabilitywatch demo`. Errors are one line and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stabilitywatch",
+                                description="Mixed-precision numerical stability monitor.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train a small model with an injected fault and watch it")
+    d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    d.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when available, else cpu")
+    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--fault-step", type=int, default=25)
+    d.add_argument("--no-monitor", action="store_true",
+                   help="run the same training without the monitor (for overhead timing)")
+    return p
+
+
+def _demo(args) -> int:
+    import torch
+
+    from .demo import run_demo, summary
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("stabilitywatch demo: --device cuda asked for, but no CUDA device is visible")
+    if args.steps < 1 or not 0 <= args.fault_step < args.steps:
+        raise SystemExit("stabilitywatch demo: need --steps >= 1 and 0 <= --fault-step < --steps")
+    r = run_demo(args.out, device=args.device, steps=args.steps, fault_step=args.fault_step,
+                 monitor=not args.no_monitor)
+    print(summary(r))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "demo":
+            return _demo(args)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+    except (ValueError, TypeError, OSError) as e:
+        print(f"stabilitywatch: error: {e}", file=sys.stderr)
+        return 2
+    return 2

@@ -1,0 +1,33 @@
+"""Detector interface and the cooldown that keeps repeated alerts from flooding sinks."""
+from __future__ import annotations
+
+import abc
+
+from ..alert import Alert
+from ..stats.buffer import StatsFrame
+
+
+class Detector(abc.ABC):
+    name = "detector"
+
+    @abc.abstractmethod
+    def check(self, frame: StatsFrame) -> list[Alert]:
+        """Alerts for one step's frame (frames arrive in step order)."""
+
+
+class Cooldown:
+    """Lets an alert through unless the same (detector, module, tensor, stat) alerted at the
+    same or a higher severity less than `steps` steps ago."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self._last: dict[tuple, tuple[int, int]] = {}
+
+    def allow(self, a: Alert) -> bool:
+        key = (a.detector, a.module, a.tensor, a.stat)
+        prev = self._last.get(key)
+        sev = a.severity.rank
+        if prev is not None and a.step - prev[0] < self.steps and sev <= prev[1]:
+            return False
+        self._last[key] = (a.step, sev)
+        return True

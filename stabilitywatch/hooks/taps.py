@@ -1,0 +1,160 @@
+"""Hooks that feed tensors to the statistics buffer: module outputs/inputs (forward hooks),
+gradients of outputs (tensor hooks registered in the forward hook), parameters, parameter
+gradients after accumulation, and optimizer state after optimizer.step().
+
+Every hook body is guarded: an exception switches that tap off with one warning and training
+goes on. All handles are kept and removed by `detach()`; no tensor is kept beyond the call.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..config import Role
+from ..stats.buffer import Phase
+from .tensors import float_tensors
+
+log = logging.getLogger("stabilitywatch")
+
+# record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
+Record = Callable[[torch.Tensor, str, str, int, bool], None]
+IsOn = Callable[[Role], bool]
+
+
+def param_role(pname: str, kind: str) -> str:
+    """Role of a parameter's tensors: weight/grad/optim.<state> for a `weight` parameter,
+    <name>/grad.<name>/optim.<state>.<name> for any other (bias, ...)."""
+    if pname == "weight":
+        return {"weight": "weight", "grad": "grad"}.get(kind, kind)
+    return {"weight": pname, "grad": f"grad.{pname}"}.get(kind, f"{kind}.{pname}")
+
+
+class Taps:
+    def __init__(self, modules: list[tuple[str, nn.Module]], optimizer: Optional[torch.optim.Optimizer],
+                 record: Record, is_on: IsOn):
+        self.modules = modules
+        self.optimizer = optimizer
+        self.record = record
+        self.is_on = is_on
+        self.handles: list = []
+        self._failed: set[str] = set()
+        # parameters of the watched modules, each once (shared/tied weights keep their first owner)
+        self.params: list[tuple[str, str, nn.Parameter]] = []
+        seen: set[int] = set()
+        for name, mod in modules:
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append((name, pname, p))
+
+    # -- attach / detach -------------------------------------------------------------------
+    def attach(self) -> None:
+        try:
+            for name, mod in self.modules:
+                self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
+            if self.optimizer is not None:
+                self.handles.append(self.optimizer.register_step_pre_hook(self._grads_before_step))
+                self.handles.append(self.optimizer.register_step_post_hook(self._optim_state))
+            else:
+                for name, pname, p in self.params:
+                    if p.requires_grad:
+                        self.handles.append(
+                            p.register_post_accumulate_grad_hook(self._grad_hook(name, pname)))
+        except Exception:
+            self.detach()
+            raise
+
+    def detach(self) -> None:
+        while self.handles:
+            h = self.handles.pop()
+            try:
+                h.remove()
+            except Exception as e:  # never let cleanup hide the user's own exception
+                log.warning("stabilitywatch: could not remove a hook (%s)", e)
+
+    # -- guarded execution -----------------------------------------------------------------
+    def _guard(self, where: str, fn, *args) -> None:
+        if where in self._failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            self._failed.add(where)
+            log.warning("stabilitywatch: %s failed (%s: %s); that tap is switched off, "
+                        "training goes on", where, type(e).__name__, e)
+
+    # -- the taps --------------------------------------------------------------------------
+    def weights(self) -> None:
+        """Parameters as the step's forward will see them (called at step start)."""
+        if not self.is_on(Role.WEIGHT):
+            return
+        for name, pname, p in self.params:
+            self._guard(f"weight tap of {name}.{pname}", self.record, p.detach(), name,
+                        param_role(pname, "weight"), Phase.WEIGHT, False)
+
+    def _forward_hook(self, name: str):
+        def hook(mod, args, output):
+            want_out, want_in = self.is_on(Role.OUTPUT), self.is_on(Role.INPUT)
+            want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
+            if not (want_out or want_in or want_grad):
+                return None
+            self._guard(f"forward hook of {name!r}", self._on_forward, name, args, output,
+                        want_out, want_in, want_grad)
+            return None
+        return hook
+
+    def _on_forward(self, name, args, output, want_out, want_in, want_grad) -> None:
+        if want_in:
+            inputs = list(float_tensors(args))
+            for suffix, t in inputs:
+                role = "input" if len(inputs) == 1 else "input" + suffix
+                self.record(t.detach(), name, role, Phase.FORWARD, False)
+        for suffix, t in float_tensors(output):
+            if want_out:
+                self.record(t.detach(), name, "output" + suffix, Phase.FORWARD, False)
+            if want_grad and t.requires_grad:
+                t.register_hook(self._grad_output_hook(name, "grad_output" + suffix))
+
+    def _grad_output_hook(self, name: str, role: str):
+        def hook(grad):
+            if grad is not None:
+                self._guard(f"backward hook of {name!r}", self.record, grad.detach(), name, role,
+                            Phase.BACKWARD, False)
+            return None
+        return hook
+
+    def _grad_hook(self, name: str, pname: str):
+        role = param_role(pname, "grad")
+
+        def hook(p):
+            if self.is_on(Role.GRAD) and p.grad is not None:
+                # overwrite: the row shows the gradient as accumulated so far, not a sum of sums
+                self._guard(f"gradient tap of {name}.{pname}", self.record, p.grad.detach(),
+                            name, role, Phase.GRAD, True)
+        return hook
+
+    def _grads_before_step(self, opt, args, kwargs):
+        if not self.is_on(Role.GRAD):
+            return None
+        for name, pname, p in self.params:
+            if p.grad is not None:
+                self._guard(f"gradient tap of {name}.{pname}", self.record, p.grad.detach(),
+                            name, param_role(pname, "grad"), Phase.GRAD, True)
+        return None
+
+    def _optim_state(self, opt, args, kwargs):
+        if not self.is_on(Role.OPTIM):
+            return None
+        for name, pname, p in self.params:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            for k, v in state.items():
+                # per-element state only (exp_avg, exp_avg_sq, momentum_buffer...), not `step`
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == p.numel():
+                    self._guard(f"optimizer-state tap of {name}.{pname}", self.record, v.detach(),
+                                name, param_role(pname, f"optim.{k}"), Phase.OPTIM, True)
+        return None

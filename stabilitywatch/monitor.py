@@ -1,0 +1,260 @@
+"""The Monitor assembles the parts: module selection, taps, the statistics buffer, detectors
+and sinks. It holds no statistics logic of its own."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from .alert import SCHEMA_VERSION, Alert
+from .config import Config, Role
+from .detectors.base import Cooldown
+from .detectors.nonfinite import NonFiniteDetector
+from .detectors.range import RangeDetector
+from .hooks.selectors import select_modules
+from .hooks.taps import Taps
+from .hooks.tensors import float_tensors
+from .schedule import Schedule
+from .sinks.factory import make_sinks
+from .sinks.runner import SinkRunner
+from .stats.buffer import Phase, StatsBuffer, StatsFrame
+from .stats.layout import Stat
+from .stats.reference import is_supported
+
+log = logging.getLogger("stabilitywatch")
+
+
+def _dist_rank() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return 0, 1
+
+
+class Monitor:
+    """Watches one model (and optionally its optimizer). Build it with `stabilitywatch.watch`."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 config: Optional[Config] = None, run_dir: "str | os.PathLike | None" = None,
+                 model_factory: Optional[str] = None, step_fn: Optional[str] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"stabilitywatch.watch: model must be a torch.nn.Module, "
+                            f"got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"stabilitywatch.watch: optimizer must be a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        config = Config() if config is None else config
+        if not isinstance(config, Config):
+            raise TypeError(f"stabilitywatch.watch: config must be a stabilitywatch.Config, "
+                            f"got {type(config).__name__}")
+        for label, path in (("model_factory", model_factory), ("step_fn", step_fn)):
+            if path is not None and (not isinstance(path, str) or ":" not in path):
+                raise ValueError(f"stabilitywatch.watch: {label} must be an import path "
+                                 f"'package.module:function', got {path!r}")
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.model_factory, self.step_fn = model_factory, step_fn
+        rank, world = _dist_rank()
+        self.rank = config.rank if config.rank is not None else rank
+        self.world_size = world
+        if run_dir is None:
+            run_dir = Path("runs") / time.strftime("stabilitywatch-%Y%m%d-%H%M%S")
+        self.run_dir = Path(run_dir)
+        self.alerts: list[Alert] = []
+        self.frames_seen = 0
+        self._closed = False
+        self._step: Optional[int] = None
+        self._on: frozenset[Role] = frozenset()
+        self._warned: set[str] = set()
+
+        self.modules = select_modules(model, config)
+        self.schedule = Schedule(config)
+        self.buffer = StatsBuffer(backend=config.backend.value,
+                                  capacity=max(16, 8 * len(self.modules) + 8))
+        self.detectors = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
+                          RangeDetector(config)]
+        self.cooldown = Cooldown(config.alert_cooldown)
+        if config.shadow_every:
+            log.warning("stabilitywatch: shadow replicas (shadow_every=%d) are not available "
+                        "in this version; running without them", config.shadow_every)
+        self._write_manifest()
+        self.sinks = SinkRunner(make_sinks(config, self.run_dir, self.rank, self.world_size),
+                                queue_size=config.queue_size)
+        self.taps = Taps(self.modules, optimizer, self._record, self._is_on)
+        try:
+            self.taps.attach()
+        except Exception:
+            self.sinks.close()
+            raise
+
+    # -- public API ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int, batch: Any = None) -> Iterator["Monitor"]:
+        """One training step. Tensors are read on the steps the schedule samples; the rows of a
+        step are read on the host one step later (or at close())."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"Monitor.step: step must be an int, got {type(step).__name__}")
+        if self._closed:
+            raise RuntimeError("Monitor.step: the monitor is closed")
+        self._begin(step, batch)
+        try:
+            yield self
+        finally:
+            self._end()
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss of the current step (no host sync)."""
+        if self._step is None or not isinstance(loss, torch.Tensor):
+            return
+        if Role.LOSS in self._on:
+            self._safe_record(loss.detach(), "", "loss", Phase.LOSS, False)
+
+    def close(self) -> None:
+        """Flush every pending step, run the detectors on it, detach every hook, close sinks.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._step is not None:
+                self._end()
+            self._process(block=True)
+        except Exception as e:
+            log.warning("stabilitywatch: flushing the last steps failed (%s: %s)",
+                        type(e).__name__, e)
+        finally:
+            self.taps.detach()
+            self.sinks.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- step plumbing ------------------------------------------------------------------------
+    def _begin(self, step: int, batch: Any) -> None:
+        if self._step is not None:  # a step left open (an exception outside the with block)
+            self._end()
+        self._step = step
+        self._on = self.schedule.roles_at(step)
+        self.buffer.begin_step(step)
+        if Role.OUTPUT in self._on and batch is not None:
+            # the batch is the model's input (module ""): a NaN already in the data is named so
+            found = list(float_tensors(batch))
+            for suffix, t in found:
+                role = "input" if len(found) == 1 else "input" + suffix
+                self._safe_record(t.detach(), "", role, Phase.BATCH, False)
+        self.taps.weights()
+
+    def _end(self) -> None:
+        try:
+            self.buffer.end_step()
+        except Exception as e:
+            self._warn_once("end_step", f"reading the step's rows failed ({type(e).__name__}: {e})")
+        self._step = None
+        self._on = frozenset()
+        self._process(block=False)
+
+    def _is_on(self, role: Role) -> bool:
+        return role in self._on
+
+    def _record(self, t: torch.Tensor, module: str, role: str, phase: int, overwrite: bool) -> None:
+        if self._step is None:
+            return
+        if not is_supported(t):
+            self._warn_once(f"dtype:{module}:{role}",
+                            f"{module or '<model>'} {role}: dtype {t.dtype} is not supported; skipped")
+            return
+        self.buffer.add(t, module, role, phase, scale=self.config.scale_for(role),
+                        overwrite=overwrite)
+
+    def _safe_record(self, t, module, role, phase, overwrite) -> None:
+        try:
+            self._record(t, module, role, phase, overwrite)
+        except Exception as e:
+            self._warn_once(f"rec:{module}:{role}", f"reading {module or '<model>'} {role} failed "
+                            f"({type(e).__name__}: {e}); skipped")
+
+    def _process(self, block: bool) -> None:
+        for frame in self.buffer.poll(block=block, rank=self.rank, world_size=self.world_size):
+            self.frames_seen += 1
+            try:
+                self._handle(frame)
+            except Exception as e:
+                self._warn_once("detectors", f"processing step {frame.step} failed "
+                                f"({type(e).__name__}: {e})")
+
+    def _handle(self, frame: StatsFrame) -> None:
+        for det in self.detectors:
+            for a in det.check(frame):
+                if self.cooldown.allow(a):
+                    self.alerts.append(a)
+                    self.sinks.alert(a)
+        self.sinks.log(self._records(frame))
+
+    def _records(self, frame: StatsFrame) -> list[dict]:
+        base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
+                "world_size": frame.world_size}
+        recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
+                for i, (m, r) in enumerate(frame.keys)]
+        grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
+                   if r == "grad" or r.startswith("grad.")]
+        if grad_sq:
+            recs.append({**base, "module": "", "tensor": "grad_norm",
+                         "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
+        return recs
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("stabilitywatch: %s", msg)
+
+    def _write_manifest(self) -> None:
+        info = {"schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
+                "config": _jsonable(self.config), "model_factory": self.model_factory,
+                "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
+                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+        name = "run.json" if self.rank == 0 else f"run.rank{self.rank}.json"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / name).write_text(json.dumps(info, indent=2))
+        except OSError as e:
+            log.warning("stabilitywatch: cannot write %s (%s); going on without it",
+                        self.run_dir / name, e)
+
+
+def _jsonable(cfg: Config) -> dict:
+    out = {}
+    for k, v in cfg.__dict__.items():
+        if isinstance(v, tuple):
+            v = [getattr(x, "value", getattr(x, "__name__", str(x))) for x in v]
+        elif hasattr(v, "value"):
+            v = v.value
+        elif callable(v):
+            v = getattr(v, "__qualname__", repr(v))
+        out[k] = v
+    return out
+
+
+def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+          config: Optional[Config] = None, run_dir: "str | os.PathLike | None" = None,
+          model_factory: Optional[str] = None, step_fn: Optional[str] = None) -> Monitor:
+    """Start watching `model` (and `optimizer`). Returns a Monitor; see the README."""
+    return Monitor(model, optimizer, config=config, run_dir=run_dir,
+                   model_factory=model_factory, step_fn=step_fn)

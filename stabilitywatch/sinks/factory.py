@@ -1,0 +1,34 @@
+"""Build the sinks named in a Config; a sink that cannot start is reported once and skipped."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..config import Config
+from .base import Sink
+
+log = logging.getLogger("stabilitywatch")
+
+
+def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> list[Sink]:
+    sinks: list[Sink] = []
+    stats_keys = {"stats_keys": config.wandb_stats} if config.wandb_stats else {}
+    for name in config.sinks:
+        try:
+            if name == "jsonl":
+                from .jsonl import JsonlSink
+                sinks.append(JsonlSink(run_dir, rank=rank, world_size=world_size))
+            elif name == "console":
+                from .console import ConsoleSink
+                sinks.append(ConsoleSink())
+            elif name == "wandb":
+                from .wandb_sink import WandbSink
+                sinks.append(WandbSink(run_dir, project=config.wandb_project, rank=rank,
+                                       **stats_keys))
+            elif name == "tensorboard":
+                from .tensorboard_sink import TensorBoardSink
+                sinks.append(TensorBoardSink(run_dir, rank=rank, **stats_keys))
+        except Exception as e:
+            log.warning("stabilitywatch: sink %r could not start (%s: %s); running without it",
+                        name, type(e).__name__, e)
+    return sinks

@@ -1,0 +1,190 @@
+"""Device rows for one step, copied to host memory asynchronously and read a step later.
+
+Slots are (module, role) pairs numbered on the host as they first appear. On each device a
+float64 [capacity x N_STATS] tensor holds the rows of the step in flight; at the end of the step
+the touched rows go to pinned host memory with a non-blocking copy and a CUDA event. A frame is
+read only once its event has completed (`poll`), or at `close` (`poll(block=True)`): the
+training loop never waits for the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..kernels.dispatch import accumulate
+from .derive import derive
+from .layout import N_STATS, ROW_DTYPE, init_row_tensor
+
+
+class Phase:
+    """Execution order of roles inside a step, for 'where did it first appear'."""
+    BATCH = 0
+    WEIGHT = 1
+    FORWARD = 2
+    LOSS = 3
+    BACKWARD = 4
+    GRAD = 5
+    OPTIM = 6
+
+
+@dataclass
+class StatsFrame:
+    """The statistics of one step: rows in execution order (phase, then first touch)."""
+    step: int
+    keys: list[tuple[str, str]]      # (module, role)
+    rows: np.ndarray                 # [len(keys), N_STATS] float64
+    scales: list[float]
+    phases: list[int]
+    rank: int = 0
+    world_size: int = 1
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    def derived(self, i: int) -> dict[str, float]:
+        if i not in self._derived:
+            self._derived[i] = derive(self.rows[i], self.scales[i])
+        return self._derived[i]
+
+    def index(self, module: str, role: str) -> Optional[int]:
+        try:
+            return self.keys.index((module, role))
+        except ValueError:
+            return None
+
+
+class _DeviceRows:
+    def __init__(self, device: torch.device, capacity: int):
+        self.device = device
+        self.rows = init_row_tensor(device, capacity)
+        self.init = init_row_tensor(device, capacity)
+        self.pinned_pool: list[torch.Tensor] = []
+
+    def grow(self, capacity: int) -> None:
+        # keep rows already written this step (device copy, no sync)
+        rows = init_row_tensor(self.device, capacity)
+        rows[: self.rows.shape[0]].copy_(self.rows)
+        self.rows, self.init = rows, init_row_tensor(self.device, capacity)
+        self.pinned_pool.clear()
+
+    def host_buffer(self) -> torch.Tensor:
+        if self.pinned_pool:
+            return self.pinned_pool.pop()
+        pin = self.device.type == "cuda"
+        return torch.empty(self.rows.shape, dtype=ROW_DTYPE, pin_memory=pin)
+
+
+@dataclass
+class _Pending:
+    step: int
+    touched: list[tuple[int, int, int]]                # (phase, seq, slot)
+    copies: list[tuple[_DeviceRows, torch.Tensor, Optional[object]]]
+
+
+class StatsBuffer:
+    def __init__(self, backend: str = "auto", capacity: int = 64):
+        self.backend = backend
+        self.keys: list[tuple[str, str]] = []
+        self.scales: list[float] = []
+        self.slot_of: dict[tuple[str, str], int] = {}
+        self.device_of: list[Optional[torch.device]] = []
+        self._capacity = capacity
+        self._dev: dict[torch.device, _DeviceRows] = {}
+        self._touched: dict[int, tuple[int, int]] = {}
+        self._pending: list[_Pending] = []
+        self._step: Optional[int] = None
+
+    # -- hot path -------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._touched = {}
+        for d in self._dev.values():
+            d.rows.copy_(d.init)
+
+    def add(self, t: torch.Tensor, module: str, role: str, phase: int,
+            scale: float = 1.0, overwrite: bool = False) -> None:
+        """Merge t's statistics into the (module, role) row of this step. No host sync."""
+        key = (module, role)
+        slot = self.slot_of.get(key)
+        if slot is None:
+            slot = self._new_slot(key, scale)
+        dev = self._rows_on(t.device)
+        if self.device_of[slot] is None:
+            self.device_of[slot] = t.device
+        row = dev.rows[slot]
+        if overwrite or slot not in self._touched:
+            if overwrite:
+                row.copy_(dev.init[slot])
+        if slot not in self._touched:
+            self._touched[slot] = (phase, len(self._touched))
+        accumulate(t, row, scale, self.backend)
+
+    def end_step(self) -> None:
+        """Start the copies of this step's rows to host memory; never waits."""
+        if self._step is None or not self._touched:
+            self._step = None
+            return
+        touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
+        copies = []
+        for dev in self._dev.values():
+            host = dev.host_buffer()
+            if dev.device.type == "cuda":
+                host.copy_(dev.rows, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev.device))
+            else:
+                host.copy_(dev.rows)
+                ev = None
+            copies.append((dev, host, ev))
+        self._pending.append(_Pending(self._step, touched, copies))
+        self._step = None
+        self._touched = {}
+
+    # -- off the hot path -----------------------------------------------------------------
+    def poll(self, block: bool = False, rank: int = 0, world_size: int = 1) -> list[StatsFrame]:
+        """Frames whose copies have landed, oldest first (all of them when block=True)."""
+        frames = []
+        while self._pending:
+            p = self._pending[0]
+            if not block and not all(ev is None or ev.query() for _, _, ev in p.copies):
+                break
+            for _, _, ev in p.copies:
+                if ev is not None:
+                    ev.synchronize()
+            self._pending.pop(0)
+            frames.append(self._frame(p, rank, world_size))
+        return frames
+
+    def _frame(self, p: _Pending, rank: int, world_size: int) -> StatsFrame:
+        host_of = {dev.device: host for dev, host, _ in p.copies}
+        rows = np.empty((len(p.touched), N_STATS), dtype=np.float64)
+        for i, (_, _, slot) in enumerate(p.touched):
+            host = host_of[self.device_of[slot]]
+            rows[i] = host[slot].numpy()
+        for dev, host, _ in p.copies:
+            if host.shape == dev.rows.shape:
+                dev.pinned_pool.append(host)
+        return StatsFrame(step=p.step, keys=[self.keys[s] for _, _, s in p.touched], rows=rows,
+                          scales=[self.scales[s] for _, _, s in p.touched],
+                          phases=[ph for ph, _, _ in p.touched], rank=rank, world_size=world_size)
+
+    def _new_slot(self, key: tuple[str, str], scale: float) -> int:
+        slot = len(self.keys)
+        self.keys.append(key)
+        self.scales.append(float(scale))
+        self.device_of.append(None)
+        self.slot_of[key] = slot
+        if slot >= self._capacity:
+            self._capacity = max(2 * self._capacity, slot + 1)
+            for d in self._dev.values():
+                d.grow(self._capacity)
+        return slot
+
+    def _rows_on(self, device: torch.device) -> _DeviceRows:
+        d = self._dev.get(device)
+        if d is None:
+            d = self._dev[device] = _DeviceRows(device, self._capacity)
+            if self._step is not None:
+                d.rows.copy_(d.init)
+        return d
