@@ -1,0 +1,69 @@
+"""GPU-only: monitored training steps never synchronise with the host, and the kernel path
+gives the rows the reference gives. Run on a CUDA machine with STABILITYWATCH_REAL_TRITON=1."""
+import json
+
+import pytest
+import torch
+
+import stabilitywatch as sw
+from stabilitywatch.demo import build_model, make_batch, train_step
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_monitored_steps_do_not_sync(tmp_path):
+    model = build_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    data = [make_batch(gen, "cuda") for _ in range(6)]
+    config = sw.Config(every=1, roles=tuple(sw.Role), formats={"output": "e4m3"},
+                       sinks=("jsonl",))
+    mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
+    # warm-up steps (allocations, kernel compilation) outside the checked region
+    for step in range(2):
+        with mon.step(step, batch=data[step]):
+            loss = train_step(model, data[step])
+            loss.backward()
+            mon.observe_loss(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(2, 6):
+            with mon.step(step, batch=data[step]):
+                loss = train_step(model, data[step])
+                loss.backward()
+                mon.observe_loss(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    mon.close()
+    assert not mon.taps._failed
+    steps = {json.loads(line)["step"] for line in open(tmp_path / "stats.jsonl")}
+    assert steps == set(range(6))
+
+
+def test_kernel_rows_equal_reference_rows_in_a_run(tmp_path):
+    model = build_model().cuda()
+    batch = make_batch(torch.Generator().manual_seed(0), "cuda")
+    recs = {}
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        m = build_model().cuda()
+        d = tmp_path / backend
+        with sw.watch(m, config=sw.Config(every=1, backend=backend, sinks=("jsonl",)),
+                      run_dir=d) as mon:
+            with mon.step(0, batch=batch):
+                train_step(m, batch).backward()
+        recs[backend] = {(r["module"], r["tensor"]): r["stats"]
+                         for r in map(json.loads, open(d / "stats.jsonl"))}
+    assert recs["triton"].keys() == recs["torch"].keys()
+    for key, a in recs["triton"].items():
+        b = recs["torch"][key]
+        for k in ("numel", "nan", "zeros", "min", "max", "absmax", "absmin_nonzero",
+                  "e4m3_overflow", "e4m3_underflow", "fp16_underflow"):
+            assert a[k] == b[k], (key, k, a[k], b[k])
+        assert a["mean"] == pytest.approx(b["mean"], rel=1e-9, abs=1e-12), key
+    del model

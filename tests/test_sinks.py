@@ -1,0 +1,248 @@
+import errno
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from stabilitywatch.alert import Alert, Severity
+from stabilitywatch.sinks import ConsoleSink, JsonlSink, Sink, SinkRunner
+from stabilitywatch.sinks import jsonl as jsonl_module
+from stabilitywatch.sinks import runner as runner_module
+
+ALERT_KEYS = {"schema", "step", "rank", "detector", "severity", "module", "tensor", "stat",
+              "value", "threshold", "message", "capture"}
+
+
+def make_alert(step=7, severity=Severity.CRITICAL, value=float("nan"), threshold=0.0, **kw):
+    fields = dict(step=step, detector="nonfinite", severity=severity, module="layers.0.mlp",
+                  tensor="output", stat="nan", value=value, threshold=threshold,
+                  message="NaN appeared here first")
+    fields.update(kw)
+    return Alert(**fields)
+
+
+def make_record(step, module="layers.0", tensor="output", **stats):
+    return {"schema": 1, "step": step, "rank": 0, "world_size": 1, "module": module,
+            "tensor": tensor, "stats": stats or {"absmax": 1.5, "mean": 0.25}}
+
+
+def read_jsonl(path):
+    def reject(name):
+        raise AssertionError(f"bare {name} in JSON")
+
+    with open(path) as f:
+        return [json.loads(line, parse_constant=reject) for line in f]
+
+
+class RecordingSink(Sink):
+    name = "recording"
+
+    def __init__(self):
+        self.records, self.alerts, self.flushes, self.closes = [], [], 0, 0
+
+    def log(self, records):
+        self.records.extend(records)
+
+    def alert(self, alert):
+        self.alerts.append(alert)
+
+    def flush(self):
+        self.flushes += 1
+
+    def close(self):
+        self.closes += 1
+
+
+class FailingSink(RecordingSink):
+    name = "boom"
+
+    def log(self, records):
+        raise OSError(errno.EIO, "disk on fire")
+
+    alert = log
+
+    def close(self):
+        raise RuntimeError("close fails too")
+
+
+class GatedSink(RecordingSink):
+    """log() blocks until the gate opens: a sink stuck on a slow network."""
+    name = "gated"
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def log(self, records):
+        self.entered.set()
+        self.gate.wait(10)
+        super().log(records)
+
+
+def sink_warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "stabilitywatch" and r.levelno == logging.WARNING]
+
+
+def test_jsonl_alert_on_disk_after_short_flush(tmp_path):
+    runner = SinkRunner([JsonlSink(tmp_path)])
+    alert = make_alert(capture="captures/step7")
+    runner.alert(alert)
+    assert runner.flush(timeout=5)
+    (line,) = read_jsonl(tmp_path / "alerts.jsonl")
+    assert ALERT_KEYS <= set(line)
+    assert line["step"] == 7 and line["severity"] == "critical" and line["detector"] == "nonfinite"
+    assert line["module"] == "layers.0.mlp" and line["capture"] == "captures/step7"
+    assert line["value"] == "nan" and line["threshold"] == 0.0
+    runner.close()
+
+
+def test_jsonl_alert_is_fsynced_as_it_arrives(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = jsonl_module.os.fsync
+    monkeypatch.setattr(jsonl_module.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    sink = JsonlSink(tmp_path)
+    sink.alert(make_alert())
+    assert len(synced) == 1
+    assert len(read_jsonl(tmp_path / "alerts.jsonl")) == 1   # readable before close()
+    sink.close()
+
+
+def test_jsonl_stats_nonfinite_become_strings(tmp_path):
+    sink = JsonlSink(tmp_path)
+    sink.log([make_record(3, absmax=float("inf"), mean=float("nan"), min=float("-inf"), std=2.0)])
+    sink.log([make_record(4, module="", tensor="loss")])
+    sink.close()
+    first, second = read_jsonl(tmp_path / "stats.jsonl")
+    assert first["stats"] == {"absmax": "inf", "mean": "nan", "min": "-inf", "std": 2.0}
+    assert {"schema", "step", "rank", "world_size", "module", "tensor"} <= set(first)
+    assert second["step"] == 4 and second["module"] == "" and second["tensor"] == "loss"
+
+
+def test_jsonl_other_ranks_write_their_own_files(tmp_path):
+    sink = JsonlSink(tmp_path / "new" / "dir", rank=2, world_size=4)
+    sink.alert(make_alert(rank=2))
+    sink.log([make_record(1)])
+    sink.close()
+    names = sorted(p.name for p in (tmp_path / "new" / "dir").iterdir())
+    assert names == ["alerts.rank2.jsonl", "stats.rank2.jsonl"]
+
+
+def test_failing_sink_switched_off_with_one_warning(caplog):
+    good, bad = RecordingSink(), FailingSink()
+    runner = SinkRunner([bad, good])
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        for step in range(5):
+            runner.log([make_record(step)])
+            runner.alert(make_alert(step=step))
+        assert runner.flush(timeout=5)
+        runner.close()       # the failed sink's close() raises too: must not escape or warn again
+    assert sink_warnings(caplog) == [
+        "stabilitywatch: sink 'boom' failed (OSError: [Errno 5] disk on fire); "
+        "switched off, training goes on"]
+    assert [r["step"] for r in good.records] == list(range(5))
+    assert [a.step for a in good.alerts] == list(range(5))
+    assert good.flushes == 1 and good.closes == 1
+    assert runner.failed == ["boom"]
+
+
+def test_slow_sink_does_not_block_log_and_alerts_are_not_dropped(caplog, monkeypatch):
+    monkeypatch.setattr(runner_module, "ALERT_PUT_TIMEOUT", 0.05)
+    slow, other = GatedSink(), RecordingSink()
+    runner = SinkRunner([slow, other], queue_size=4)
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        runner.log([make_record(0), make_record(0, tensor="grad")])
+        assert slow.entered.wait(5)     # the worker is now stuck in the slow sink
+        start = time.perf_counter()
+        for step in range(1, 200):
+            runner.log([make_record(step), make_record(step, tensor="grad")])
+        assert time.perf_counter() - start < 1.0
+        assert runner.dropped > 0 and runner.dropped % 2 == 0
+        # The queue is full: the alert waits briefly, then is delivered on this thread.
+        runner.alert(make_alert(step=999))
+        assert [a.step for a in other.alerts] == [999]
+        slow.gate.set()
+        runner.close()
+    assert len(slow.records) + runner.dropped == 400
+    assert len(other.records) + runner.dropped == 400
+    assert [a.step for a in slow.alerts] == [999]
+    (warning,) = sink_warnings(caplog)
+    assert "dropped" in warning and "stats records" in warning
+
+
+def test_close_is_idempotent_and_later_calls_are_ignored():
+    sink = RecordingSink()
+    runner = SinkRunner([sink])
+    runner.log([make_record(0)])
+    runner.close()
+    runner.close()
+    runner.log([make_record(1)])
+    runner.alert(make_alert())
+    assert runner.flush(timeout=1) is False
+    assert sink.closes == 1 and [r["step"] for r in sink.records] == [0] and sink.alerts == []
+
+
+def test_jsonl_unwritable_run_dir_switches_off_with_one_warning(tmp_path, caplog):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("I am a file")
+    other = RecordingSink()
+    runner = SinkRunner([JsonlSink(not_a_dir), other])
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        runner.alert(make_alert(step=1))
+        runner.log([make_record(1)])
+        runner.alert(make_alert(step=2))
+        runner.close()
+    (warning,) = sink_warnings(caplog)
+    assert warning.startswith("stabilitywatch: sink 'jsonl' failed (FileExistsError")
+    assert [a.step for a in other.alerts] == [1, 2] and len(other.records) == 1
+    assert not_a_dir.read_text() == "I am a file"
+
+
+class DiskFull:
+    """Stands in for an open file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_jsonl_disk_full_keeps_what_was_written(tmp_path, caplog):
+    sink = JsonlSink(tmp_path)
+    runner = SinkRunner([sink])
+    runner.alert(make_alert(step=1))
+    runner.alert(make_alert(step=2))
+    runner.log([make_record(1), make_record(2)])
+    assert runner.flush(timeout=5)
+    sink._alerts, sink._stats = DiskFull(sink._alerts), DiskFull(sink._stats)
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        runner.alert(make_alert(step=3))
+        runner.log([make_record(3)])
+        runner.alert(make_alert(step=4))
+        runner.close()
+    assert sink_warnings(caplog) == [
+        "stabilitywatch: sink 'jsonl' failed (OSError: [Errno 28] No space left on device); "
+        "switched off, training goes on"]
+    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [1, 2]
+
+
+def test_console_sink_levels_and_threshold(caplog):
+    with caplog.at_level(logging.DEBUG, logger="stabilitywatch"):
+        sink = ConsoleSink()
+        sink.log([make_record(0)])
+        for sev in Severity:
+            sink.alert(make_alert(severity=sev, value=3.0))
+        ConsoleSink(min_severity="warning").alert(make_alert(severity=Severity.INFO))
+    got = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "stabilitywatch"]
+    assert [lvl for lvl, _ in got] == [logging.INFO, logging.WARNING, logging.ERROR]
+    assert got[2][1] == make_alert(severity=Severity.CRITICAL, value=3.0).line()
+    with pytest.raises(ValueError, match="min_severity"):
+        ConsoleSink(min_severity="loud")
+
