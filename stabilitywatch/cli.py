@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -31,7 +32,16 @@ def _demo(args) -> int:
         raise SystemExit("stabilitywatch demo: --device cuda asked for, but no CUDA device is visible")
     if args.steps < 1 or not 0 <= args.fault_step < args.steps:
         raise SystemExit("stabilitywatch demo: need --steps >= 1 and 0 <= --fault-step < --steps")
-    r = run_demo(args.out, device=args.device, steps=args.steps, fault_step=args.fault_step,
+    out = Path(args.out)
+    try:  # the demo exists to write its run directory: refuse one that cannot be written
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(f"stabilitywatch demo: cannot write to --out {args.out!r}: "
+                         f"{e.strerror or e}")
+    r = run_demo(out, device=args.device, steps=args.steps, fault_step=args.fault_step,
                  monitor=not args.no_monitor)
     print(summary(r))
     return 0

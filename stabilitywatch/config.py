@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
@@ -112,21 +113,35 @@ class Config:
         set_("role_every", role_every)
         fmts = dict(_mapping(self.formats, "formats"))
         for k, v in fmts.items():
-            if str(v).lower() not in {f.value for f in ROW_FORMATS}:
+            _glob_key(k, "formats")
+            # Fmt is a str-mixin enum: str(Fmt.E4M3) is "Fmt.E4M3", so unwrap it first
+            name = v.value if isinstance(v, enum.Enum) else v
+            if not isinstance(name, str) or name.lower() not in {f.value for f in ROW_FORMATS}:
                 names = ", ".join(f.value for f in ROW_FORMATS)
                 raise ValueError(f"Config.formats[{k!r}] = {v!r}: expected one of {names}")
-            fmts[k] = Fmt(str(v).lower()).value
+            fmts[k] = Fmt(name.lower()).value
         set_("formats", fmts)
         scales = dict(_mapping(self.scales, "scales"))
         for k, v in scales.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"Config.scales[{k!r}] must be a positive number, got {v!r}")
+            _glob_key(k, "scales")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                    or not math.isfinite(v)):
+                raise ValueError(f"Config.scales[{k!r}] must be a finite positive number, "
+                                 f"got {v!r}")
             scales[k] = float(v)
         set_("scales", scales)
         for name in ("overflow_warn", "overflow_critical", "underflow_warn", "underflow_critical"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Config.{name} must be a fraction in [0, 1], got {v!r}")
+        for kind in ("overflow", "underflow"):
+            warn, crit = getattr(self, f"{kind}_warn"), getattr(self, f"{kind}_critical")
+            if warn > crit:
+                raise ValueError(f"Config.{kind}_warn ({warn!r}) must not exceed "
+                                 f"Config.{kind}_critical ({crit!r})")
+        if not isinstance(self.wandb_project, str) or not self.wandb_project:
+            raise ValueError(f"Config.wandb_project must be a non-empty string, "
+                             f"got {self.wandb_project!r}")
         for s in self.sinks:
             if s not in SINK_NAMES:
                 raise ValueError(f"Config.sinks: unknown sink {s!r}; expected any of {SINK_NAMES}")
@@ -135,19 +150,19 @@ class Config:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Config":
         """Named presets: default, full, bf16, fp16, fp8, debug."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        _check_known(cls, overrides)
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"Config.from_dict expects a mapping, got {type(data).__name__}")
         data = dict(data)
         base = data.pop("preset", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown Config field(s): {', '.join(unknown)}")
-        return cls.preset(base, **data) if base else cls(**data)
+        _check_known(cls, data)
+        return cls.preset(base, **data) if base is not None else cls(**data)
 
     @classmethod
     def from_file(cls, path: "str | os.PathLike") -> "Config":
@@ -162,7 +177,10 @@ class Config:
         if not isinstance(data, dict):
             raise ValueError(f"config file {path!r} must hold a table/mapping at the top")
         data = data.get("stabilitywatch", data)
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"config file {path!r}: {e}") from None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -186,6 +204,19 @@ def _glob_lookup(table: Mapping[str, Any], role: str):
         if fnmatch.fnmatchcase(role, pat):
             return v
     return None
+
+
+def _check_known(cls, data: Mapping) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted((str(k) for k in data if k not in known))
+    if unknown:
+        raise ValueError(f"unknown Config field(s): {', '.join(unknown)}; "
+                         f"expected any of {', '.join(sorted(known))}")
+
+
+def _glob_key(k, name):
+    if not isinstance(k, str):
+        raise ValueError(f"Config.{name} keys must be role names or globs (strings), got {k!r}")
 
 
 def _seq(v, name):
