@@ -5,8 +5,10 @@ Definitions, for a value x at scale s (y = x * s computed in float32):
 - overflow:  x finite and |y| > fmt.max            (the cast would saturate or give Inf/NaN)
 - underflow: x finite, x != 0 and |y| <= fmt.min_subnormal / 2   (round-to-nearest-even sends
              it to zero; the exact half-way value ties to the even neighbour, zero)
-- subnormal: x finite and fmt.min_subnormal / 2 < |y| < fmt.min_normal (lands in the subnormal
-             range, losing significant bits)
+- subnormal: x finite and fmt.min_subnormal / 2 < |y| < fmt.subnormal_limit, where
+             subnormal_limit = fmt.min_normal - fmt.min_subnormal / 2: the cast gives a nonzero
+             subnormal, losing significant bits (from subnormal_limit up, round-to-nearest-even
+             gives min_normal; the half-way value ties to its even mantissa)
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class FormatSpec:
         return self.min_subnormal / 2
 
     @property
+    def subnormal_limit(self) -> float:
+        """|y| strictly between underflow_threshold and this casts to a nonzero subnormal."""
+        return self.min_normal - self.min_subnormal / 2
+
+    @property
     def max_log2(self) -> float:
         return math.log2(self.max)
 
@@ -62,6 +69,8 @@ ROW_FORMATS: tuple[Fmt, ...] = (Fmt.E4M3, Fmt.E5M2, Fmt.FP16)
 
 def spec(fmt: "Fmt | str") -> FormatSpec:
     """The FormatSpec for a name such as "e4m3" (ValueError on an unknown name)."""
+    if isinstance(fmt, Fmt):  # str(Fmt.FP16) is "Fmt.FP16", not "fp16"
+        return FORMATS[fmt]
     try:
         return FORMATS[Fmt(str(fmt).lower())]
     except ValueError:
@@ -92,7 +101,7 @@ def count_subnormal(t: torch.Tensor, fmt: "Fmt | str", scale: float = 1.0) -> to
     """Number of finite values whose |x*scale| lands in fmt's subnormal range (and survives)."""
     f = spec(fmt)
     finite, y = _scaled_abs(t, scale)
-    return (finite & (y > f.underflow_threshold) & (y < f.min_normal)).sum()
+    return (finite & (y > f.underflow_threshold) & (y < f.subnormal_limit)).sum()
 
 
 def scale_for(amax: float, fmt: "Fmt | str", margin: int = 0) -> float:

@@ -44,7 +44,7 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1)
     if _dense(t):
         return t.as_strided((t.numel(),), (1,), t.storage_offset())
-    return t.reshape(-1)  # copies
+    return t.contiguous().view(-1)  # copies (reshape could return a strided 1-D view)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -4,8 +4,10 @@ Each program walks the tensor with a grid stride, keeps per-lane accumulators in
 (float64 sums, int32 counts, float32 extrema, an int32 exponent histogram) and merges its partial
 row into a float64 row with atomics at the end. Because the merge is atomic the same row can
 take several tensors (micro-batches, repeated calls) and no host work or sync is needed.
-fp8 inputs are read as bytes and decoded with integer arithmetic: the interpreter's own fp8
-decoding is wrong, and this way both paths run the same code.
+fp8 inputs are read as bytes and bf16 inputs as 16-bit words, and decoded with integer
+arithmetic (a bf16 word is the top half of a float32): the interpreter's own fp8 decoding is
+wrong, and so is its bf16 -> fp32 cast of bf16 subnormals (triton 3.9 interpreter
+_convert_float renormalises them); this way both paths run the same exact code.
 """
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, SUB_LIMIT
     return over, under, sub
 
 
-@triton.jit
+# n is never specialised: an int argument equal to 1 would become a compile-time Python int on
+# the GPU, and `n.to(...)` below would not compile for one-element tensors.
+@triton.jit(do_not_specialize=["n"])
 def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
                       FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr,
                       HBINS: tl.constexpr, HEMIN: tl.constexpr,
@@ -95,6 +99,9 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
             x = _decode_fp8(tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32), False)
         elif FP8 == 2:
             x = _decode_fp8(tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32), True)
+        elif FP8 == 3:  # bf16 bits (int16, sign-extended): shifting drops the extension
+            x = (tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32) << 16).to(tl.float32,
+                                                                                 bitcast=True)
         else:
             x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.float32)
         a = tl.abs(x)
@@ -164,7 +171,9 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64))
 
 
-_FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# dtypes read as raw bits (FP8 code: 1 e4m3, 2 e5m2, 3 bf16) and the integer view used to read them
+_FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.bfloat16: 3}
+_BITS_VIEW = {1: torch.uint8, 2: torch.uint8, 3: torch.int16}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
                  torch.float8_e5m2)
 
@@ -190,8 +199,10 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     n = flat.numel()
     if n == 0:
         return
+    if not flat.is_contiguous():  # the kernel reads n consecutive elements from data_ptr
+        raise ValueError("launch_row_stats needs a contiguous tensor (use dispatch.flat_view)")
     fp8 = _FP8_CODE.get(flat.dtype, 0)
-    x = flat.view(torch.uint8) if fp8 else flat
+    x = flat.view(_BITS_VIEW[fp8]) if fp8 else flat
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)

@@ -1,0 +1,101 @@
+"""The compiled Triton kernel on a CUDA GPU against the reference (run with
+STABILITYWATCH_REAL_TRITON=1 so that conftest leaves the interpreter off)."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from rowcheck import assert_rows_match
+from stabilitywatch.formats import FORMATS
+from stabilitywatch.stats.layout import Stat, init_row_tensor, merge_rows
+from stabilitywatch.stats.reference import reference_row
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="the Triton interpreter is on: set STABILITYWATCH_REAL_TRITON=1"),
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SIZES = {"1": 1, "127": 127, "4097": 4097, "1M+3": 2**20 + 3, "2^26": 2**26}
+
+
+def gpu_values(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Wide magnitudes with NaN/Inf, zeros, and every format's thresholds sprinkled in."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.exp(8 * torch.randn(n, device="cuda", generator=g))
+    x = x * (torch.randint(0, 2, (n,), device="cuda", generator=g) * 2 - 1)
+    edges = []
+    for f in FORMATS.values():
+        edges += [f.max, f.min_normal, f.min_subnormal, f.underflow_threshold, f.subnormal_limit]
+    specials = torch.tensor(edges + [-e for e in edges] + [math.nan, math.inf, -math.inf, 0.0],
+                            device="cuda")
+    k = min(n, specials.numel())
+    pos = torch.randperm(n, device="cuda", generator=g)[:k]
+    x[pos] = specials[:k]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("sname", list(SIZES))
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_gpu_kernel_matches_reference(dname, sname):
+    from stabilitywatch.kernels.stats_triton import triton_row
+
+    x = gpu_values(SIZES[sname], DTYPES[dname], seed=SIZES[sname] % 1000)
+    got = triton_row(x)
+    assert got.device.type == "cuda"
+    assert_rows_match(got, reference_row(x), sum_rtol=1e-12, label=f"cuda {dname} {sname}")
+    got_s = triton_row(x, torch.tensor(448.0 / 3, device="cuda"))
+    assert_rows_match(got_s, reference_row(x, 448.0 / 3), sum_rtol=1e-12,
+                      label=f"cuda {dname} {sname} scaled")
+
+
+def test_gpu_counts_exact_past_2_pow_24():
+    from stabilitywatch.kernels.stats_triton import triton_row
+
+    n = 2**26 + 3
+    x = torch.full((n,), 1000.0, dtype=torch.bfloat16, device="cuda")
+    x[-3:] = 0
+    row = triton_row(x).cpu()
+    assert row[Stat.NUMEL].item() == n and row[Stat.ZEROS].item() == 3
+    assert row[Stat.E4M3_OVERFLOW].item() == n - 3
+    assert row[Stat.SUM].item() == 1000.0 * (n - 3)
+
+
+def test_gpu_accumulate_merges_and_dense_views():
+    from stabilitywatch.kernels import dispatch
+
+    a = gpu_values(65 * 33, torch.bfloat16, 1).reshape(65, 33).T
+    b = gpu_values(33 * 195, torch.float8_e5m2, 2).reshape(33, 195)[:, ::3]
+    row = init_row_tensor("cuda")
+    dispatch.accumulate(a, row, backend="triton")
+    dispatch.accumulate(b, row, backend="auto")
+    want = merge_rows(torch.stack([reference_row(a), reference_row(b)]).cpu().numpy())
+    assert_rows_match(row, want, label="cuda accumulate")
+
+
+def test_gpu_launch_has_no_host_sync():
+    from stabilitywatch.kernels import dispatch
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+
+    xs = [gpu_values(100_003, d, i) for i, d in enumerate(DTYPES.values())]
+    perm = gpu_values(4 * 5 * 6, torch.float16, 9).reshape(4, 5, 6).permute(2, 0, 1)
+    scale = torch.tensor(0.25, device="cuda")
+    rows = init_row_tensor("cuda", rows=len(xs) + 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, x in enumerate(xs):
+            launch_row_stats(x, rows[i], scale if i % 2 else 2.0)
+        dispatch.accumulate(perm, rows[-1], scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    for i, x in enumerate(xs):
+        assert_rows_match(rows[i], reference_row(x, scale if i % 2 else 2.0), label=f"sync {i}")
+    assert_rows_match(rows[-1], reference_row(perm, scale), label="sync perm")
