@@ -62,6 +62,9 @@ def test_kernel_rows_equal_reference_rows_in_a_run(tmp_path):
     assert recs["triton"].keys() == recs["torch"].keys()
     for key, a in recs["triton"].items():
         b = recs["torch"][key]
+        if key == ("", "grad_norm"):
+            assert a["l2norm"] == pytest.approx(b["l2norm"], rel=1e-9)
+            continue
         for k in ("numel", "nan", "zeros", "min", "max", "absmax", "absmin_nonzero",
                   "e4m3_overflow", "e4m3_underflow", "fp16_underflow"):
             assert a[k] == b[k], (key, k, a[k], b[k])
