@@ -1,0 +1,125 @@
+"""Statistics of one tensor: our Triton kernel vs the eager pure-torch reference vs the
+torch.compile'd reference vs the read-once floor, all measured in the same run.
+
+    python benchmarks/bench_stats.py                  # GPU: sizes 2^10..2^28, bf16/fp32/e4m3
+    python benchmarks/bench_stats.py --variants       # GPU: kernel variants on 256 MiB tensors
+    python benchmarks/bench_stats.py --smoke          # CPU: tiny sizes (the test suite runs this)
+
+The floor is the tensor's bytes over the read bandwidth of a 1 GiB float32 torch.sum measured at
+the start of the run. GPU times are medians of triton.testing.do_bench (L2 flushed between runs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from stabilitywatch.kernels.dispatch import flat_view  # noqa: E402
+from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
+from stabilitywatch.stats.reference import reference_row  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
+
+
+def make(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    x = torch.randn(n, device=device) * torch.exp(torch.randn(n, device=device))
+    return x.to(dtype)
+
+
+def timer(device: str):
+    if device == "cuda":
+        import triton.testing as tt
+        return lambda fn: tt.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3  # us
+
+    def cpu(fn):
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    return cpu
+
+
+def kernel_fn(x: torch.Tensor, tune=None):
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+    row = init_row_tensor(x.device)
+    flat = flat_view(x)
+    return lambda: launch_row_stats(flat, row, 1.0, tune)
+
+
+def read_bandwidth(device: str, t) -> float:
+    """Bytes per microsecond of a large float32 torch.sum."""
+    n = (1 << 28) if device == "cuda" else (1 << 20)
+    x = torch.randn(n, device=device)
+    return 4 * n / t(lambda: x.sum())
+
+
+def run_sizes(a, device, t, bw) -> list[str]:
+    sizes = [1 << k for k in (range(10, 29, 3) if not a.smoke else (10, 12))]
+    if device == "cuda":
+        sizes += [1 << 28] if (1 << 28) not in sizes else []
+    compiled = None
+    if device == "cuda" and not a.no_compile:
+        compiled = torch.compile(reference_row, dynamic=True)
+    rows = ["| n | dtype | MiB | floor us | torch.sum us | ours us | ours / floor | eager us "
+            "| compiled us |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, dt in DTYPES.items():
+        for n in sizes:
+            x = make(n, dt, device)
+            nbytes = x.numel() * x.element_size()
+            floor = nbytes / bw
+            summ = t(lambda: x.view(torch.uint8).sum()) if dt.itemsize == 1 else t(lambda: x.sum())
+            ours = t(kernel_fn(x))
+            eager = t(lambda: reference_row(x))
+            comp = t(lambda: compiled(x)) if compiled is not None else float("nan")
+            rows.append(f"| 2^{n.bit_length() - 1} | {name} | {nbytes / 2**20:.3g} | {floor:.1f} | "
+                        f"{summ:.1f} | {ours:.1f} | {ours / floor:.2f} | {eager:.1f} | {comp:.1f} |")
+    return rows
+
+
+VARIANTS = {
+    "general kernel (v1)": {"fast": False},
+    "lean kernel, fp64 lanes (default)": {},
+    "lean, fp32 lanes": {"acc64": False},
+    "lean, b2048 w8": {"block": 2048, "num_warps": 8},
+    "lean, b2048 w8 fp32 lanes": {"block": 2048, "num_warps": 8, "acc64": False},
+    "lean, b512 w4": {"block": 512},
+    "lean, p16": {"progs_per_sm": 16},
+    "lean, p4": {"progs_per_sm": 4},
+}
+
+
+def run_variants(device, t, bw) -> list[str]:
+    rows = ["| variant | dtype | ours us | floor us | ours / floor |", "|---|---|---:|---:|---:|"]
+    for name, dt in DTYPES.items():
+        x = make((256 << 20) // dt.itemsize, dt, device)
+        floor = 256 * 2**20 / bw
+        for vname, tune in VARIANTS.items():
+            us = t(kernel_fn(x, tune))
+            rows.append(f"| {vname} | {name} | {us:.1f} | {floor:.1f} | {us / floor:.2f} |")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--variants", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    t = timer(device)
+    bw = read_bandwidth(device, t)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"# bench_stats on {name}: read bandwidth {bw / 1e3:.3f} GB/ms (TB/s) from torch.sum")
+    rows = run_variants(device, t, bw) if a.variants else run_sizes(a, device, t, bw)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

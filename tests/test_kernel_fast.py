@@ -1,0 +1,65 @@
+"""The lean kernel (full blocks of large tensors) against the reference, on block structures
+that take each of its branches: NaN/Inf only in some blocks, all-zero blocks, blocks spanning
+more than 32 exponents, thresholds straddled or not, scales as floats and tensors."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rowcheck import assert_rows_match  # noqa: E402
+from test_kernel import DTYPES, content  # noqa: E402
+
+from stabilitywatch.kernels import dispatch  # noqa: E402
+from stabilitywatch.kernels.stats_triton import triton_row  # noqa: E402
+from stabilitywatch.stats.reference import reference_row  # noqa: E402
+
+BLOCK = 8192  # the interpreter's block size (stats_triton._launch_shape)
+
+
+def blocks(kind: str, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    n = BLOCK * 9 + 77
+    x = torch.randn(n, generator=g)
+    if kind == "nonfinite_one_block":
+        x[BLOCK * 2 + 5] = float("nan")
+        x[BLOCK * 2 + 9] = float("inf")
+        x[BLOCK * 7 + 1] = float("-inf")
+    elif kind == "zero_blocks":
+        x[: BLOCK * 2] = 0
+        x[BLOCK * 5: BLOCK * 6] = -0.0
+    elif kind == "wide_block":
+        x[BLOCK * 3: BLOCK * 4] = content("lognormal", BLOCK, torch.float32, 5)
+    elif kind == "all_above_thresholds":
+        x = 1.0 + x.abs()
+    elif kind == "all_nonfinite":
+        x[:] = float("nan")
+        x[::3] = float("inf")
+    elif kind == "mixed":
+        x = content("mixed", n, torch.float32, 11)
+    return x.to(dtype)
+
+
+KINDS = ["normal", "nonfinite_one_block", "zero_blocks", "wide_block", "all_above_thresholds",
+         "all_nonfinite", "mixed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_lean_kernel_matches_reference(dname, kind):
+    x = blocks(kind, DTYPES[dname])
+    assert_rows_match(triton_row(dispatch.flat_view(x)), reference_row(x), label=f"{dname} {kind}")
+
+
+@pytest.mark.parametrize("scale", [0.25, 3.7, 1e30, torch.tensor(2.0 ** -12)],
+                         ids=["0.25", "3.7", "1e30", "tensor2^-12"])
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "e4m3"])
+def test_lean_kernel_scaled(dname, scale):
+    x = blocks("mixed", DTYPES[dname])
+    assert_rows_match(triton_row(x, scale), reference_row(x, scale), label=f"{dname} {scale}")
+
+
+def test_exact_multiple_of_block_has_no_tail():
+    x = blocks("normal", torch.bfloat16)[: BLOCK * 8]
+    assert_rows_match(triton_row(x), reference_row(x))
