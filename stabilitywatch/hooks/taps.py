@@ -19,6 +19,15 @@ from .tensors import float_tensors
 
 log = logging.getLogger("stabilitywatch")
 
+
+
+def _eager(fn):
+    """Run a hook eagerly even inside a torch.compile'd model: the hook's host bookkeeping is
+    not traceable, so dynamo breaks the graph around it instead of failing."""
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -104,7 +113,7 @@ class Taps:
             self._guard(f"forward hook of {name!r}", self._on_forward, name, args, output,
                         want_out, want_in, want_grad)
             return None
-        return hook
+        return _eager(hook)
 
     def _on_forward(self, name, args, output, want_out, want_in, want_grad) -> None:
         if want_in:
@@ -124,7 +133,7 @@ class Taps:
                 self._guard(f"backward hook of {name!r}", self.record, grad.detach(), name, role,
                             Phase.BACKWARD, False)
             return None
-        return hook
+        return _eager(hook)
 
     def _grad_hook(self, name: str, pname: str):
         role = param_role(pname, "grad")
@@ -134,7 +143,7 @@ class Taps:
                 # overwrite: the row shows the gradient as accumulated so far, not a sum of sums
                 self._guard(f"gradient tap of {name}.{pname}", self.record, p.grad.detach(),
                             name, role, Phase.GRAD, True)
-        return hook
+        return _eager(hook)
 
     def _grads_before_step(self, opt, args, kwargs):
         if not self.is_on(Role.GRAD):
