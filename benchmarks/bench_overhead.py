@@ -1,0 +1,158 @@
+"""Step-time overhead of the monitor on a GPT-2-small-shaped model, against what users would
+otherwise do, all in one run:
+
+    python benchmarks/bench_overhead.py            # GPU: 12 layers, d 768, vocab 50304, seq 1024,
+                                                   # batch 16, bf16 autocast, fused AdamW
+    python benchmarks/bench_overhead.py --smoke    # CPU: tiny shapes (the test suite runs this)
+
+Configurations: no monitor; the monitor's default config; full coverage every step (every
+Linear output and output gradient, weights, weight gradients); naive forward/backward hooks with
+ten eager reductions read with .item(); torch.autograd.detect_anomaly. The floor is the bytes
+full coverage reads once per step over the read bandwidth of a large torch.sum.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stabilitywatch as sw
+from stabilitywatch.demo import TinyGPT
+
+
+def shapes(smoke: bool) -> dict:
+    if smoke:
+        return dict(vocab=256, dim=64, layers=2, heads=4, seq=32, batch=2, steps=4, warm=2)
+    return dict(vocab=50304, dim=768, layers=12, heads=12, seq=1024, batch=16, steps=30, warm=10)
+
+
+def naive_hooks(model: nn.Module) -> list:
+    """What a user writes by hand: ten reductions per tensor, each read back with .item()."""
+    def stats(t):
+        t = t.detach().float()
+        return [t.min().item(), t.max().item(), t.abs().max().item(), t.mean().item(),
+                t.std().item(), t.norm().item(), t.isnan().sum().item(), t.isinf().sum().item(),
+                (t == 0).sum().item(), (t.abs() > 448).sum().item()]
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(lambda mod, a, o: (stats(o), None)[1]))
+            handles.append(m.register_full_backward_hook(
+                lambda mod, gi, go: (stats(go[0]), None)[1]))
+    return handles
+
+
+def full_coverage() -> sw.Config:
+    return sw.Config(every=1, module_types=(nn.Linear,), sinks=("jsonl",),
+                     roles=(sw.Role.OUTPUT, sw.Role.GRAD_OUTPUT, sw.Role.WEIGHT, sw.Role.GRAD,
+                            sw.Role.LOSS))
+
+
+def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = TinyGPT(s["vocab"], s["dim"], s["layers"], s["heads"], s["seq"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device=device)
+    batch = {"idx": idx[:, :-1], "target": idx[:, 1:]}
+    mon, handles = None, []
+    if kind == "default config":
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",)), run_dir=out)
+    elif kind == "full coverage, every step":
+        mon = sw.watch(model, opt, config=full_coverage(), run_dir=out)
+    elif kind == "naive hooks + .item()":
+        handles = naive_hooks(model)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(s["warm"] + s["steps"]):
+        t0 = time.perf_counter()
+        ctx = mon.step(step, batch=batch) if mon else _null()
+        anomaly = torch.autograd.detect_anomaly(check_nan=True) if kind == "detect_anomaly" else _null()
+        with ctx, anomaly:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = model(batch["idx"])
+            loss = F.cross_entropy(logits.float().view(-1, s["vocab"]), batch["target"].reshape(-1))
+            loss.backward()
+            if mon:
+                mon.observe_loss(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if step >= s["warm"]:
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+    if mon:
+        mon.close()
+    for h in handles:
+        h.remove()
+    return statistics.median(times), peak
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def floor_ms(s: dict, device: str) -> float:
+    """Bytes full coverage reads once per step (bf16 outputs and output grads of every Linear,
+    fp32 weights and grads) over the bandwidth of a large torch.sum."""
+    torch.manual_seed(0)
+    model = TinyGPT(s["vocab"], s["dim"], s["layers"], s["heads"], s["seq"])
+    tokens = s["batch"] * s["seq"]
+    act = sum(m.out_features for m in model.modules() if isinstance(m, nn.Linear)) * tokens * 2 * 2
+    par = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+              for m in model.modules() if isinstance(m, nn.Linear)) * 4 * 2
+    x = torch.randn(1 << (28 if device == "cuda" else 22), device=device)
+    x.sum()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x.sum()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    bw = 10 * 4 * x.numel() / (time.perf_counter() - t0)  # bytes/s
+    return (act + par) / bw * 1e3
+
+
+KINDS = ["no monitor", "default config", "full coverage, every step", "naive hooks + .item()",
+         "detect_anomaly"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    s = shapes(a.smoke or device == "cpu")
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, kind in enumerate(KINDS):
+            res[kind] = run(kind, s, device, f"{tmp}/{i}")
+    base, base_mem = res["no monitor"]
+    fl = floor_ms(s, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"# bench_overhead on {name}: {s}; read-once floor of full coverage {fl:.2f} ms "
+          f"({fl / base:.1%} of the step)")
+    print("| configuration | ms/step | ratio | overhead | peak MiB | peak ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, (ms, mem) in res.items():
+        print(f"| {kind} | {ms:.2f} | {ms / base:.3f}x | {(ms - base) / base:+.1%} | {mem:.0f} "
+              f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The GPU benchmarks run in a tiny CPU size so that they cannot rot."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+
+def test_bench_overhead_smoke(capsys):
+    import bench_overhead
+    assert bench_overhead.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| full coverage, every step |" in out and "| detect_anomaly |" in out
+
+
+def test_bench_stats_smoke(capsys):
+    import bench_stats
+    assert bench_stats.main(["--smoke"]) == 0
+    assert "| 2^12 | e4m3 |" in capsys.readouterr().out
+
+
+def test_bench_demo_overhead_smoke(capsys):
+    import bench_demo_overhead
+    assert bench_demo_overhead.main(["--smoke"]) == 0
+    assert "| no monitor |" in capsys.readouterr().out
