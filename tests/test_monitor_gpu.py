@@ -19,24 +19,20 @@ def test_monitored_steps_do_not_sync(tmp_path):
     config = sw.Config(every=1, roles=tuple(sw.Role), formats={"output": "e4m3"},
                        sinks=("jsonl",))
     mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
-    # warm-up steps (allocations, kernel compilation) outside the checked region
-    for step in range(2):
-        with mon.step(step, batch=data[step]):
-            loss = train_step(model, data[step])
-            loss.backward()
-            mon.observe_loss(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(2, 6):
+    def train(steps):
+        for step in steps:
             with mon.step(step, batch=data[step]):
                 loss = train_step(model, data[step])
                 loss.backward()
                 mon.observe_loss(loss)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+
+    train(range(2))  # warm-up (allocations, kernel compilation) outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train(range(2, 6))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     mon.close()
