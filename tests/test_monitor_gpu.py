@@ -19,6 +19,7 @@ def test_monitored_steps_do_not_sync(tmp_path):
     config = sw.Config(every=1, roles=tuple(sw.Role), formats={"output": "e4m3"},
                        sinks=("jsonl",))
     mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
+
     def train(steps):
         for step in steps:
             with mon.step(step, batch=data[step]):
