@@ -145,6 +145,10 @@ def test_uniform_tensors(dname, fill):
     assert_rows_match(got, reference_row(x), label=f"{dname} all-{fill}")
     expect = init_row()
     expect[Stat.NUMEL] = n
+    bits = torch.tensor([value], dtype=dtype).float().view(torch.int32).item() & 0xFFFFFFFF
+    bits = 0x7FC00000 if fill == "nan" else bits
+    expect[Stat.BITS_LO] = n * (bits & 0xFFFF)
+    expect[Stat.BITS_HI] = n * (bits >> 16) if fill != "zero" else (n // 2) * 0x8000  # -0.0 halves
     if fill == "zero":
         expect[[Stat.ZEROS]] = n
         expect[[Stat.MIN, Stat.MAX, Stat.ABSMAX]] = 0.0
@@ -271,3 +275,19 @@ _floats = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True), _s
 def test_kernel_matches_reference_random(arr, scale):
     x = torch.from_numpy(arr)
     assert_rows_match(triton_row(x, scale), reference_row(x, scale), label=f"scale {scale}")
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_fingerprint_values_and_single_bit_flip(dname):
+    dtype = DTYPES[dname]
+    x = torch.tensor([1.0, -2.0, float("nan"), 0.5] * 40, dtype=torch.float32).to(dtype)
+    row = kernel_row(x)
+    hi = 40 * (0x3F80 + 0xC000 + 0x7FC0 + 0x3F00)
+    assert (row[Stat.BITS_LO].item(), row[Stat.BITS_HI].item()) == (0.0, float(hi))
+    flipped = x.clone()
+    raw = flipped.view(torch.uint8 if dtype.itemsize == 1 else
+                       {2: torch.int16, 4: torch.int32}[dtype.itemsize])
+    raw[7] ^= 1  # lowest bit of one value (0.5 -> its neighbour)
+    other = kernel_row(flipped)
+    assert (other[Stat.BITS_LO], other[Stat.BITS_HI]) != (row[Stat.BITS_LO], row[Stat.BITS_HI])
+    assert_rows_match(other, reference_row(flipped))

@@ -45,6 +45,14 @@ def numpy_row(t: torch.Tensor, scale: float = 1.0) -> np.ndarray:
         row[base + 0] = (fin & (y > f.max)).sum()
         row[base + 1] = (nz & (y <= half)).sum()
         row[base + 2] = (fin & (y > half) & (y < f.min_normal - half)).sum()
+    if t.dtype == torch.float64:
+        b64 = x.view(np.uint64)
+        bits = (b64 ^ (b64 >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    else:
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = np.where(np.isnan(x), np.uint64(0x7FC00000), bits)
+    row[Stat.BITS_LO] = int((bits & np.uint64(0xFFFF)).sum())
+    row[Stat.BITS_HI] = int((bits >> np.uint64(16)).sum())
     _, e = np.frexp(np.abs(x[nz]))
     bins = np.clip(e.astype(np.int64) - 1 - HIST_EMIN, 0, HIST_BINS - 1)
     row[Stat.HIST:] = np.bincount(bins, minlength=HIST_BINS)

@@ -78,6 +78,8 @@ def _fast_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     amx = tl.full([BLOCK], -1, tl.int32)
     amn = tl.full([BLOCK], _MAXI, tl.int32)
     hist = tl.zeros([HBINS], dtype=tl.int32)
+    blo = zi
+    bhi = zi
     it = z0
     for start in range(pid * BLOCK, n_full, nprog * BLOCK):
         offs = start + lanes
@@ -94,6 +96,9 @@ def _fast_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
             x = tl.load(x_ptr + offs).to(tl.float32)
             bits = x.to(tl.int32, bitcast=True)
         u = bits & _MAXI
+        fbits = tl.where(u > _INF, 0x7FC00000, bits)  # canonical NaN, as in the reference
+        blo += fbits & 0xFFFF
+        bhi += (fbits >> 16) & 0xFFFF
         zero = u == 0
         unz = tl.where(zero, _MAXI, u)
         bmax = tl.max(u, 0)
@@ -211,6 +216,8 @@ def _fast_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     tl.atomic_add(out_ptr + O_F16 + 0, g_m6.to(tl.float64))
     tl.atomic_add(out_ptr + O_F16 + 1, (nzf - g_h6).to(tl.float64))
     tl.atomic_add(out_ptr + O_F16 + 2, (g_h6 - g_s6).to(tl.float64))
+    tl.atomic_add(out_ptr + O_HIST - 2, tl.sum(blo.to(tl.int64), 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_HIST - 1, tl.sum(bhi.to(tl.int64), 0).to(tl.float64))
     tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64))
 
 

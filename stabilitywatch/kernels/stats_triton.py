@@ -94,6 +94,8 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     amx = tl.full([BLOCK], float("-inf"), tl.float32)
     amn = tl.full([BLOCK], float("inf"), tl.float32)
     hist = tl.zeros([HBINS], dtype=tl.int32)
+    blo = zi
+    bhi = zi
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         offs = start + lanes
         m = offs < n
@@ -107,6 +109,9 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
         else:
             x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.float32)
         a = tl.abs(x)
+        fbits = tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))
+        blo += tl.where(m, fbits & 0xFFFF, 0)
+        bhi += tl.where(m, (fbits >> 16) & 0xFFFF, 0)
         isnan = m & (x != x)
         pinf = m & (x == float("inf"))
         ninf = m & (x == float("-inf"))
@@ -168,6 +173,8 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     tl.atomic_add(out_ptr + O_F16 + 0, tl.sum(f16o, 0).to(tl.float64))
     tl.atomic_add(out_ptr + O_F16 + 1, tl.sum(f16u, 0).to(tl.float64))
     tl.atomic_add(out_ptr + O_F16 + 2, tl.sum(f16s, 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_HIST - 2, tl.sum(blo.to(tl.int64), 0).to(tl.float64))
+    tl.atomic_add(out_ptr + O_HIST - 1, tl.sum(bhi.to(tl.int64), 0).to(tl.float64))
     bins = tl.arange(0, HBINS)
     n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
     excess = tl.maximum(n_iter, 0) * BLOCK - tl.sum(c_nz, 0)

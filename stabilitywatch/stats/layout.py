@@ -48,7 +48,9 @@ class Stat(enum.IntEnum):
     FP16_OVERFLOW = 17
     FP16_UNDERFLOW = 18
     FP16_SUBNORMAL = 19
-    HIST = 20         # first of HIST_BINS histogram fields
+    BITS_LO = 20      # fingerprint: sum of the low 16 bits of each value's float32 bit pattern
+    BITS_HI = 21      # ... and of the high 16 bits (exact integers: equal tensors, equal sums)
+    HIST = 22         # first of HIST_BINS histogram fields
 
 
 N_SCALAR = int(Stat.HIST)

@@ -65,6 +65,7 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
         vals[base + 0] = count(finite & (y > f.max))
         vals[base + 1] = count(nonzero & (y <= half_sub))
         vals[base + 2] = count(finite & (y > half_sub) & (y < f.subnormal_limit))
+    vals[Stat.BITS_LO], vals[Stat.BITS_HI] = _fingerprint(x)
     head = torch.stack(vals[: Stat.HIST])
 
     # floor(log2 |x|) exactly: frexp gives |x| = m * 2**e with m in [0.5, 1).
@@ -73,3 +74,18 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     hist = torch.zeros(HIST_BINS, dtype=ROW_DTYPE, device=x.device)
     hist.scatter_add_(0, b, nonzero.to(ROW_DTYPE))
     return torch.cat([head, hist])
+
+
+def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of the low and high 16 bits of each value's bit pattern (float32; float64 folded to
+    32 bits), NaN canonicalised. Integer sums: exact and independent of summation order, so
+    replicas holding the same tensor agree bit for bit and one flipped bit shows."""
+    if x.dtype == torch.float64:
+        b64 = x.view(torch.int64)
+        bits = (b64 ^ (b64 >> 32)) & 0xFFFFFFFF
+    else:
+        bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = torch.where(x.isnan(), 0x7FC00000, bits)
+    lo = (bits & 0xFFFF).sum().to(ROW_DTYPE)
+    hi = ((bits >> 16) & 0xFFFF).sum().to(ROW_DTYPE)
+    return lo, hi
