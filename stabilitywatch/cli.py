@@ -1,4 +1,4 @@
-"""Command line: `stabilitywatch demo`. Errors are one line and a non-zero exit."""
+"""Command line: `stabilitywatch demo | replay | inspect`. Errors are one line and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--fault-step", type=int, default=25)
     d.add_argument("--no-monitor", action="store_true",
                    help="run the same training without the monitor (for overhead timing)")
+    from .capture.cli_verbs import add_parsers as add_capture_parsers
+    add_capture_parsers(sub)  # replay, inspect
     return p
 
 
@@ -53,6 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.cmd == "demo":
             return _demo(args)
+        if args.cmd in ("replay", "inspect"):
+            from .capture.cli_verbs import run as run_capture_verb
+            return run_capture_verb(args)
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)

@@ -10,7 +10,10 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
+from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
+from .config_detectors import validate_detector_fields
+from .config_distributed import DistBackend, DistMode, validate_dist_fields
 
 
 class Role(str, enum.Enum):
@@ -54,8 +57,97 @@ class Config:
     role_every: Mapping[str, int] = field(default_factory=dict)
     """Per-role cadence overriding `every`, e.g. {"optim": 100}."""
     shadow_every: int = 0
-    """Higher-precision shadow replicas every N sampled steps (0 = off). Not built yet: a
-    non-zero value is accepted and reported as unsupported once."""
+    """Higher-precision shadow replicas on every N-th sampled step (0 = off): the modules of
+    `shadow_modules` are re-run in `shadow_dtype` on the same inputs (see stabilitywatch/shadow)."""
+    # -- detectors (drift, spike, shadow): README "Detectors and their defaults"; checked in
+    # config_detectors.py. Defaults keep a healthy run free of warnings.
+    detectors: tuple[str, ...] = ("drift", "spike", "shadow")
+    """Extra detectors switched on (nonfinite, overflow and underflow are always on)."""
+    shadow_modules: tuple[str, ...] = ()
+    """Globs of module names that get a shadow replica. Empty: the watched modules."""
+    shadow_dtype: str = "fp32"
+    """Precision of the shadow replicas: "fp32" or "fp64"."""
+    shadow_model: bool = False
+    """Also re-run the whole model in `shadow_dtype` on shadow steps: the accumulated error of
+    each shadowed module's output (stat `model_rel_l2`), at the cost of one more forward."""
+    shadow_rel_warn: float = 0.1
+    """Shadow: warning when a module's relative L2 error ||live - shadow|| / ||shadow|| exceeds
+    this (bf16 rounding gives ~0.003, fp16 ~0.0005)."""
+    shadow_rel_critical: float = 0.5
+    """Shadow: critical above this relative L2 error."""
+    shadow_growth: float = 10.0
+    """Shadow: warning when a module's relative error is this many times its baseline (the
+    median of its first `shadow_baseline` shadow steps)..."""
+    shadow_growth_floor: float = 0.01
+    """...and above this relative error (growth from a tiny error is not worth a warning)."""
+    shadow_baseline: int = 5
+    """Shadow steps that form each module's error baseline."""
+    drift_stats: tuple[str, ...] = ("absmax", "rms")
+    """Statistics whose log2 the drift detector follows, per (module, role)."""
+    drift_exclude_roles: tuple[str, ...] = ("optim.*",)
+    """Role globs the drift detector ignores: Adam's moments drift by design while they warm up
+    (1 / (1 - beta2) steps); the gradients that feed them are followed."""
+    drift_window: int = 50
+    """Drift: sampled steps in each rolling baseline (median and MAD of log2 values)."""
+    drift_min_history: int = 10
+    """Drift: sampled steps seen before a series is judged."""
+    drift_min_sigma_bits: float = 0.25
+    """Drift: floor of the robust scale (1.4826 MAD) in bits, so a flat series is not 'noisy'."""
+    drift_z: float = 6.0
+    """Drift: robust score |x - median| / scale at which one sample counts as a jump."""
+    drift_cusum_k: float = 0.5
+    """Drift: CUSUM slack (in robust-score units) subtracted each step."""
+    drift_cusum_h: float = 20.0
+    """Drift: CUSUM decision threshold (in robust-score units): a change point."""
+    drift_min_bits: float = 1.0
+    """Drift: change points smaller than this many bits (x2) from the median are not reported."""
+    drift_warn_bits: float = math.inf
+    """Drift: a change point is a warning when the series moved at least this many bits from its
+    median, an info alert otherwise. Default inf: change points are info (one fault moves many
+    statistics; the range, spike and shadow detectors judge whether it matters), and drift's
+    warning is the time-to-overflow forecast. 4 (x16) makes large moves warnings."""
+    drift_forecast_points: int = 8
+    """Time to overflow: sampled steps in the trend fit (Theil-Sen) of log2(absmax * scale)."""
+    drift_forecast_horizon: int = 50
+    """Time to overflow: warning when the fitted trend reaches the role's format max (from
+    `formats`) within this many steps."""
+    drift_forecast_max_bits: float = 5.0
+    """Time to overflow: only values within this many bits (x32) of the format max are
+    forecast; trends far from it (early training) are extrapolated too far to be trusted."""
+    drift_forecast_min_tau: float = 0.7
+    """Time to overflow: the fitted points must rise nearly monotonically (Kendall's tau of
+    step vs value at least this), so one jump between flat stretches is not a trend."""
+    drift_forecast_confidence: float = 0.9
+    """Time to overflow: the lower bound of this confidence interval of the slope must be > 0."""
+    spike_window: int = 50
+    """Spike: values in each rolling window (loss every step; gradient norms on sampled steps)."""
+    spike_min_history: int = 10
+    """Spike: values seen before a series is judged."""
+    spike_z: float = 6.0
+    """Spike: robust score (x - median) / noise a spike must exceed, noise being the step-to-step
+    scale 1.4826 * MAD(successive differences) / sqrt(2) over the window..."""
+    spike_loss_rel: float = 0.5
+    """...and, for the loss, a rise of at least this fraction of |median| (0.5: +50%)..."""
+    spike_grad_bits: float = 1.5
+    """...and, for the global gradient norm, at least this many bits (x2.8)..."""
+    spike_layer_grad_bits: float = 3.0
+    """...and, for a module's gradient norm, at least this many bits (x8). Per-layer spikes are
+    info alerts: one small module's norm is too noisy for a warning."""
+    attn_logits: tuple[str, ...] = ()
+    """Globs of modules whose output is attention logits (q.k/sqrt(d), before masking and
+    softmax); also every `stabilitywatch.LogitsTap("attention")` in the model. Role `attn_logits`."""
+    output_logits: tuple[str, ...] = ()
+    """Globs of modules whose output is the model's output logits; also every
+    `stabilitywatch.LogitsTap("output")`. Roles `logits` and `logz` (logsumexp over the last dim)."""
+    spike_attn_logit_max: float = 50.0
+    """Spike: warning when the largest |attention logit| exceeds this..."""
+    spike_attn_growth_bits: float = 2.0
+    """...or has grown this many bits (x4) above its early median (first `spike_min_history`
+    samples) while above `spike_attn_floor`."""
+    spike_attn_floor: float = 10.0
+    spike_logz_drift: float = 10.0
+    """Spike: warning when the mean log Z of the output logits moved this many nats away from
+    its early median (output-logit divergence, Wortsman et al. 2023)."""
     formats: Mapping[str, str] = field(default_factory=dict)
     """Which format each tensor role would be cast to, as {role glob: format}, e.g.
     {"output": "e4m3", "weight": "e4m3", "grad*": "e5m2"}. Drives the overflow/underflow
@@ -83,6 +175,50 @@ class Config:
     backend: Backend = Backend.AUTO
     rank: Optional[int] = None
     """Rank for records; None: torch.distributed's rank when initialised, else 0."""
+    # -- capture (capture/policy.py validates these; README "Post-mortem: capture and replay")
+    capture: tuple[str, ...] = ("critical",)
+    """Alerts that write a capture bundle of their step: "SEVERITY" (any detector at or above
+    it), "DETECTOR" (any severity) or "DETECTOR:SEVERITY". () turns capture and snapshots off."""
+    capture_dir: str = "captures"
+    """Where bundles go: relative to run_dir, or an absolute path."""
+    capture_max: int = 8
+    """At most this many bundles in capture_dir."""
+    capture_max_bytes: int = 4 * 1024**3
+    """At most this many bytes of bundles in capture_dir."""
+    capture_retention: _capture_policy.Retention = _capture_policy.Retention.KEEP_FIRST
+    """At a limit: "keep_first" skips later captures (the first anomaly is the origin; later ones
+    are mostly its consequences), "keep_last" deletes the oldest bundles to make room."""
+    capture_snapshot: _capture_policy.SnapshotPolicy = _capture_policy.SnapshotPolicy.SAMPLED
+    """When start-of-step state (weights, optimizer state, RNG, batch) is kept for a possible
+    capture: "sampled" (steps that read more than the loss), "every", or "off"."""
+    capture_snapshot_to: _capture_policy.SnapshotTarget = _capture_policy.SnapshotTarget.AUTO
+    """Snapshot memory: "device" (a device copy: fast, costs device memory), "host" (pinned host
+    memory, a device-to-host copy), "auto" (device while the ring takes <= 1/8 of it, else host)."""
+    capture_ring: int = 2
+    """Snapshots held at once: a step's state is kept until its statistics are read (one step
+    later on CUDA), so 2 suffice unless the GPU runs more than a step behind the host."""
+    # -- distributed (stabilitywatch/distributed; README "Many GPUs: torchrun"); checked in
+    # config_distributed.py. Used only when torch.distributed runs with more than one rank.
+    dist_mode: DistMode = DistMode.RANK0
+    """"rank0": at each flush every rank's rows go to rank 0 in one collective; rank 0 merges
+    them (activations and shards: sums add, min/max combine; replicated tensors: its own row)
+    and alone writes alerts.jsonl and stats.jsonl. "per_rank": every rank writes its own rows
+    to its own files (alerts.rank{r}.jsonl...); only fingerprints are exchanged."""
+    dist_flush_every: int = 1
+    """Collective flush at every N-th step end (the same step on every rank), carrying the
+    frames of the steps before it; alerts arrive up to N steps later. Keep capture_ring >= N + 1
+    for captures."""
+    dist_divergence: bool = True
+    """Compare fingerprints of parameters, gradients and optimizer state across ranks (they
+    must be identical under DDP) and name the rank that differs (detector "divergence"). Switch
+    off when ranks hold different plain-tensor parameters (pipeline or tensor parallelism
+    without DTensor)."""
+    dist_backend: DistBackend = DistBackend.GLOO
+    """"gloo": the flush goes through a CPU gloo group made at watch() (never waits for the GPU,
+    never mixes with the job's NCCL collectives); "default": the job's own group."""
+    dist_timeout: float = 300.0
+    """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
+    writing per-rank files."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -106,6 +242,7 @@ class Config:
             _int(getattr(self, name), f"Config.{name}", minimum=0)
         if self.rank is not None:
             _int(self.rank, "Config.rank", minimum=0)
+        validate_detector_fields(self, set_)
         role_every = dict(_mapping(self.role_every, "role_every"))
         for k, v in role_every.items():
             _enum(Role, k, "role_every key")
@@ -145,6 +282,9 @@ class Config:
         for s in self.sinks:
             if s not in SINK_NAMES:
                 raise ValueError(f"Config.sinks: unknown sink {s!r}; expected any of {SINK_NAMES}")
+        for k, v in _capture_policy.validate(self).items():  # -- capture
+            set_(k, v)
+        validate_dist_fields(self, set_)  # -- distributed
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod

@@ -182,4 +182,7 @@ def summary(r: DemoResult) -> str:
     lines.append(f"{r.steps} steps, {r.ms_per_step:.1f} ms/step; last finite loss "
                  f"{finite[-1]:.3f}" if finite else f"{r.steps} steps")
     lines.append(f"run directory: {r.run_dir.resolve()} (alerts.jsonl, stats.jsonl, run.json)")
+    caps = sorted({a.capture for a in r.alerts if a.capture})
+    for c in caps:  # bundles of the flagged steps: see README "Post-mortem: capture and replay"
+        lines.append(f"capture: {c}  ->  stabilitywatch replay {r.run_dir / c}")
     return "\n".join(lines)

@@ -16,14 +16,18 @@ import torch
 import torch.nn as nn
 
 from .alert import SCHEMA_VERSION, Alert
+from .capture.manager import CaptureManager
 from .config import Config, Role
 from .detectors.base import Cooldown
-from .detectors.nonfinite import NonFiniteDetector
-from .detectors.range import RangeDetector
+from .detectors import build_detectors
+from .distributed import make_coordinator
+from .hooks.extra import ExtraTaps
+from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.taps import Taps
 from .hooks.tensors import float_tensors
 from .schedule import Schedule
+from .shadow.metrics import shadow_records
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
@@ -82,19 +86,26 @@ class Monitor:
         self.schedule = Schedule(config)
         self.buffer = StatsBuffer(backend=config.backend.value,
                                   capacity=max(16, 8 * len(self.modules) + 8))
-        self.detectors = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
-                          RangeDetector(config)]
+        self.detectors = build_detectors(config)
+        # torch.distributed: DTensor shards, lockstep cross-rank flushes, replica divergence
+        # (distributed/coordinator.py); a pass-through in a single process
+        self.dist = make_coordinator(self)
+        self.detectors += self.dist.detectors()
         self.cooldown = Cooldown(config.alert_cooldown)
-        if config.shadow_every:
-            log.warning("stabilitywatch: shadow replicas (shadow_every=%d) are not available "
-                        "in this version; running without them", config.shadow_every)
+        # shadow replicas and logits taps (hooks/extra.py); validates its globs before any I/O
+        self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
-        self.sinks = SinkRunner(make_sinks(config, self.run_dir, self.rank, self.world_size),
-                                queue_size=config.queue_size)
+        self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
+                                           self.world_size), queue_size=config.queue_size)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on)
+        # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
+        self.capture = CaptureManager(self) if config.capture else None
+        self.observers = attach_observers(model, self.observe)
         try:
             self.taps.attach()
+            self.extras.attach()
         except Exception:
+            self.taps.detach()
             self.sinks.close()
             raise
 
@@ -120,6 +131,22 @@ class Monitor:
         if Role.LOSS in self._on:
             self._safe_record(loss.detach(), "", "loss", Phase.LOSS, False)
 
+    def observe(self, tensor: torch.Tensor, role: str, *, module: str = "",
+                scale: "float | torch.Tensor | None" = None) -> None:
+        """Record a tensor the training code computes itself (an FP8 cast, a scale, an amax
+        history) as (module, role) of the current step, on sampled steps; `scale` overrides
+        Config.scales for the format counts (a 0-dim device tensor is fine). No host sync."""
+        if not isinstance(tensor, torch.Tensor) or not isinstance(role, str) or not role:
+            raise TypeError("Monitor.observe(tensor, role): a torch.Tensor and a role name")
+        if self._step is None or not (self._on - {Role.LOSS}):
+            return
+        phase = Phase.BACKWARD if "grad" in role else Phase.FORWARD
+        try:
+            self._record(tensor.detach(), module, role, phase, False, scale=scale)
+        except Exception as e:
+            self._warn_once(f"observe:{module}:{role}", f"observing {module or '<model>'} {role} "
+                            f"failed ({type(e).__name__}: {e}); skipped")
+
     def close(self) -> None:
         """Flush every pending step, run the detectors on it, detach every hook, close sinks.
         Idempotent."""
@@ -134,8 +161,13 @@ class Monitor:
             log.warning("stabilitywatch: flushing the last steps failed (%s: %s)",
                         type(e).__name__, e)
         finally:
+            detach_observers(self.observers)
             self.taps.detach()
+            self.extras.detach()
+            if self.capture is not None:
+                self.capture.close()
             self.sinks.close()
+            self.dist.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -161,6 +193,9 @@ class Monitor:
                 role = "input" if len(found) == 1 else "input" + suffix
                 self._safe_record(t.detach(), "", role, Phase.BATCH, False)
         self.taps.weights()
+        self.extras.begin_step(self._on)
+        if self.capture is not None:
+            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
         try:
@@ -169,19 +204,24 @@ class Monitor:
             self._warn_once("end_step", f"reading the step's rows failed ({type(e).__name__}: {e})")
         self._step = None
         self._on = frozenset()
+        self.extras.end_step()
         self._process(block=False)
 
     def _is_on(self, role: Role) -> bool:
-        return role in self._on
+        # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet
+        return role in self._on and not self.extras.running
 
-    def _record(self, t: torch.Tensor, module: str, role: str, phase: int, overwrite: bool) -> None:
+    def _record(self, t: torch.Tensor, module: str, role: str, phase: int, overwrite: bool,
+                scale: "float | torch.Tensor | None" = None) -> None:
         if self._step is None:
             return
         if not is_supported(t):
             self._warn_once(f"dtype:{module}:{role}",
                             f"{module or '<model>'} {role}: dtype {t.dtype} is not supported; skipped")
             return
-        self.buffer.add(t, module, role, phase, scale=self.config.scale_for(role),
+        t = self.dist.local(t, module, role)   # a DTensor's local shard
+        self.buffer.add(t, module, role, phase,
+                        scale=self.config.scale_for(role) if scale is None else scale,
                         overwrite=overwrite)
 
     def _safe_record(self, t, module, role, phase, overwrite) -> None:
@@ -192,7 +232,9 @@ class Monitor:
                             f"({type(e).__name__}: {e}); skipped")
 
     def _process(self, block: bool) -> None:
-        for frame in self.buffer.poll(block=block, rank=self.rank, world_size=self.world_size):
+        # once per step end (block=False) and at close: the coordinator decides, identically on
+        # every rank, when the frames go through the cross-rank collective
+        for frame in self.dist.frames(self.buffer, final=block):
             self.frames_seen += 1
             try:
                 self._handle(frame)
@@ -201,16 +243,18 @@ class Monitor:
                                 f"({type(e).__name__}: {e})")
 
     def _handle(self, frame: StatsFrame) -> None:
-        for det in self.detectors:
-            for a in det.check(frame):
-                if self.cooldown.allow(a):
-                    self.alerts.append(a)
-                    self.sinks.alert(a)
+        alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
+        alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+        if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
+            alerts = self.capture.on_frame(frame, alerts)
+        for a in alerts:
+            self.alerts.append(a)
+            self.sinks.alert(a)
         self.sinks.log(self._records(frame))
 
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
-                "world_size": frame.world_size}
+                "world_size": frame.world_size, **self.dist.record_fields(frame)}
         recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
@@ -218,7 +262,7 @@ class Monitor:
         if grad_sq:
             recs.append({**base, "module": "", "tensor": "grad_norm",
                          "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
-        return recs
+        return recs + shadow_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -243,11 +243,19 @@ def test_micro_batches_merge_and_schedule(tmp_path):
     assert loss["stats"]["numel"] == 2
 
 
-def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [{}, {"shadow_every": 1, "shadow_model": True,
+                                      "output_logits": ("fc3",)}], ids=["plain", "shadow"])
+@pytest.mark.parametrize("capture", [(), ("warning",)], ids=["capture-off", "capture-on"])
+def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch, capture, extra):
     """On the CPU, any .item()/.tolist()/bool()/numpy()/nonzero() inside hooks is a bug that would
-    sync on a GPU: make them raise while the body of a step runs."""
+    sync on a GPU: make them raise from the start of a step to the end of its body. With capture
+    on, the start takes the snapshot, and a flagged step writes a bundle (after the step: writing
+    may sync)."""
     model, opt = make()
-    mon = sw.watch(model, opt, config=cfg(roles=tuple(sw.Role)), run_dir=tmp_path)
+    mon = sw.watch(model, opt, config=cfg(roles=tuple(sw.Role), capture=capture,
+                                          capture_snapshot="every", formats={"output": "e4m3"},
+                                          **extra),  # extra: shadow replicas, logits taps
+                   run_dir=tmp_path)
     names = ("item", "tolist", "__bool__", "numpy", "nonzero")
     saved = {n: getattr(torch.Tensor, n) for n in names}
 
@@ -262,7 +270,12 @@ def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch):
             return saved[name](*a, **k)
         return f
     for step, x in enumerate(batches(3)):
-        with mon.step(step, batch=x):
+        if step == 2:
+            x = x * 1e4           # E4M3 overflow in every output: an alert, and a capture
+        ctx = mon.step(step, batch=x)
+        for n in names:   # from the step start on: batch and weight taps, the snapshot
+            monkeypatch.setattr(torch.Tensor, n, boom(n))
+        with ctx:
             for n in names:
                 monkeypatch.setattr(torch.Tensor, n, boom(n))
             try:
@@ -276,6 +289,13 @@ def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch):
                     monkeypatch.setattr(torch.Tensor, n, saved[n])
     mon.close()
     assert mon.frames_seen == 3 and not mon.taps._failed
+    if extra:
+        assert not mon.extras.shadow.failed and not mon.extras.logits.failed
+        assert {"shadow", "shadow.model", "logz"} <= {
+            r["tensor"] for r in read_jsonl(tmp_path / "stats.jsonl")}
+    if capture:
+        assert not mon.capture.snap.disabled and mon.capture.snap.skipped == 0
+        assert [a.capture for a in mon.alerts if a.step == 2][0] == "captures/step00000002-rank0"
 
 
 def test_range_detector_overflow_underflow_and_quiet_when_healthy(tmp_path):

@@ -1,0 +1,24 @@
+"""Detectors: host-side objects with `check(frame) -> list[Alert]`, frames in step order."""
+from __future__ import annotations
+
+from ..config import Config
+from .base import Cooldown, Detector
+from .drift import DriftDetector
+from .nonfinite import NonFiniteDetector
+from .range import RangeDetector
+from .shadow import ShadowDetector
+from .spike import SpikeDetector
+
+_EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
+
+
+def build_detectors(config: Config) -> list[Detector]:
+    """The always-on detectors (nonfinite, overflow/underflow), then those of
+    `config.detectors`, in the order they run on each frame."""
+    dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
+                            RangeDetector(config)]
+    return dets + [_EXTRA[name](config) for name in config.detectors]
+
+
+__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "RangeDetector",
+           "ShadowDetector", "SpikeDetector", "build_detectors"]

@@ -23,7 +23,7 @@ class RangeDetector(Detector):
         cfg = self.config
         out: list[Alert] = []
         for i, (module, role) in enumerate(frame.keys):
-            fmt = cfg.format_for(role)
+            fmt = None if role.startswith("shadow.") else cfg.format_for(role)
             if fmt is None:
                 continue
             d = frame.derived(i)

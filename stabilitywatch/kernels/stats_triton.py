@@ -25,8 +25,9 @@ _E4M3, _E5M2, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
 
 @triton.jit
 def _decode_fp8(b, IS_E5M2: tl.constexpr):
-    # b: int32 in [0, 255] holding the raw fp8 bits.
-    sign = b >> 7
+    # b: int32 in [0, 255] holding the raw fp8 bits. The sign goes in as a bit (a float negation
+    # may compile to 0 - v, which turns -0.0 into +0.0).
+    sign = (b >> 7) << 31
     if IS_E5M2:
         e = (b >> 2) & 31
         m = b & 3
@@ -41,7 +42,7 @@ def _decode_fp8(b, IS_E5M2: tl.constexpr):
         sub = m.to(tl.float32) * 0.001953125  # 2**-9
         v = tl.where(e == 0, sub, normal)
         v = tl.where((e == 15) & (m == 7), float("nan"), v)
-    return tl.where(sign == 1, -v, v)
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -28,7 +28,13 @@ class JsonlSink(Sink):
         # Created lazily so that an unwritable run_dir fails inside the sink runner (one warning,
         # sink switched off) instead of in the user's code.
         os.makedirs(self.run_dir, exist_ok=True)
-        return open(path, "a", encoding="utf-8")
+        f = open(path, "a", encoding="utf-8")
+        if f.tell() > 0 and not _ends_with_newline(path):
+            # a writer killed mid-line (a dead rank, a crash before a restart): end its partial
+            # line so that every line written from now on parses
+            f.write("\n")
+            f.flush()
+        return f
 
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
@@ -73,6 +79,12 @@ class JsonlSink(Sink):
                 f.close()
         if error is not None:
             raise error
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _clean_record(record: dict[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,9 @@ class StatsFrame:
 class _DeviceRows:
     def __init__(self, device: torch.device, capacity: int):
         self.device = device
+        # one extra column: the scale of tensor-valued scales (FP8 recipes), read with the rows
         self.rows = init_row_tensor(device, capacity)
+        self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
         self.init = init_row_tensor(device, capacity)
         self.pinned_pool: list[torch.Tensor] = []
 
@@ -65,14 +67,18 @@ class _DeviceRows:
         # keep rows already written this step (device copy, no sync)
         rows = init_row_tensor(self.device, capacity)
         rows[: self.rows.shape[0]].copy_(self.rows)
-        self.rows, self.init = rows, init_row_tensor(self.device, capacity)
+        scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=self.device)
+        scale[: self.scale.shape[0]].copy_(self.scale)
+        self.rows, self.scale = rows, scale
+        self.init = init_row_tensor(self.device, capacity)
         self.pinned_pool.clear()
 
     def host_buffer(self) -> torch.Tensor:
         if self.pinned_pool:
             return self.pinned_pool.pop()
         pin = self.device.type == "cuda"
-        return torch.empty(self.rows.shape, dtype=ROW_DTYPE, pin_memory=pin)
+        shape = (self.rows.shape[0], self.rows.shape[1] + 1)
+        return torch.empty(shape, dtype=ROW_DTYPE, pin_memory=pin)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class StatsBuffer:
         self.scales: list[float] = []
         self.slot_of: dict[tuple[str, str], int] = {}
         self.device_of: list[Optional[torch.device]] = []
+        self.tensor_scaled: set[int] = set()
         self._capacity = capacity
         self._dev: dict[torch.device, _DeviceRows] = {}
         self._touched: dict[int, tuple[int, int]] = {}
@@ -109,6 +116,8 @@ class StatsBuffer:
         slot = self.slot_of.get(key)
         if slot is None:
             slot = self._new_slot(key, scale)
+        if isinstance(scale, torch.Tensor):  # the value is known on the device only
+            self.tensor_scaled.add(slot)
         dev = self._rows_on(t.device)
         if self.device_of[slot] is None:
             self.device_of[slot] = t.device
@@ -118,6 +127,8 @@ class StatsBuffer:
                 row.copy_(dev.init[slot])
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
+        if isinstance(scale, torch.Tensor):
+            dev.scale[slot].copy_(scale.detach().reshape(1))
         accumulate(t, row, scale, self.backend)
 
     def end_step(self) -> None:
@@ -129,12 +140,13 @@ class StatsBuffer:
         copies = []
         for dev in self._dev.values():
             host = dev.host_buffer()
+            both = torch.cat([dev.rows, dev.scale], 1)
             if dev.device.type == "cuda":
-                host.copy_(dev.rows, non_blocking=True)
+                host.copy_(both, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(dev.device))
             else:
-                host.copy_(dev.rows)
+                host.copy_(both)
                 ev = None
             copies.append((dev, host, ev))
         self._pending.append(_Pending(self._step, touched, copies))
@@ -142,10 +154,17 @@ class StatsBuffer:
         self._touched = {}
 
     # -- off the hot path -----------------------------------------------------------------
-    def poll(self, block: bool = False, rank: int = 0, world_size: int = 1) -> list[StatsFrame]:
-        """Frames whose copies have landed, oldest first (all of them when block=True)."""
+    @property
+    def pending(self) -> int:
+        """Steps ended whose frames have not been read yet."""
+        return len(self._pending)
+
+    def poll(self, block: bool = False, rank: int = 0, world_size: int = 1,
+             limit: Optional[int] = None) -> list[StatsFrame]:
+        """Frames whose copies have landed, oldest first (all of them when block=True); at most
+        `limit` frames when given (the distributed flush reads exactly the steps it agreed on)."""
         frames = []
-        while self._pending:
+        while self._pending and (limit is None or len(frames) < limit):
             p = self._pending[0]
             if not block and not all(ev is None or ev.query() for _, _, ev in p.copies):
                 break
@@ -159,20 +178,23 @@ class StatsBuffer:
     def _frame(self, p: _Pending, rank: int, world_size: int) -> StatsFrame:
         host_of = {dev.device: host for dev, host, _ in p.copies}
         rows = np.empty((len(p.touched), N_STATS), dtype=np.float64)
+        scales = []
         for i, (_, _, slot) in enumerate(p.touched):
-            host = host_of[self.device_of[slot]]
-            rows[i] = host[slot].numpy()
+            host = host_of[self.device_of[slot]].numpy()
+            rows[i] = host[slot, :N_STATS]
+            scales.append(float(host[slot, N_STATS]) if slot in self.tensor_scaled
+                          else self.scales[slot])
         for dev, host, _ in p.copies:
-            if host.shape == dev.rows.shape:
+            if host.shape[0] == dev.rows.shape[0]:
                 dev.pinned_pool.append(host)
         return StatsFrame(step=p.step, keys=[self.keys[s] for _, _, s in p.touched], rows=rows,
-                          scales=[self.scales[s] for _, _, s in p.touched],
+                          scales=scales,
                           phases=[ph for ph, _, _ in p.touched], rank=rank, world_size=world_size)
 
     def _new_slot(self, key: tuple[str, str], scale: float) -> int:
         slot = len(self.keys)
         self.keys.append(key)
-        self.scales.append(float(scale))
+        self.scales.append(1.0 if isinstance(scale, torch.Tensor) else float(scale))
         self.device_of.append(None)
         self.slot_of[key] = slot
         if slot >= self._capacity:

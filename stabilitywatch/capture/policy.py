@@ -1,0 +1,82 @@
+"""Capture settings that Config validates: which alerts trigger a capture, when start-of-step
+state is kept, where it is kept, and what happens when the limits are reached.
+
+No torch import here: config.py imports this module."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+SEVERITIES = ("info", "warning", "critical")
+SEV_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+class SnapshotPolicy(str, enum.Enum):
+    """On which steps the start-of-step state (weights, optimizer state, RNG, batch) is kept."""
+    SAMPLED = "sampled"   # steps where the schedule reads more than the loss (alerts come from those)
+    EVERY = "every"       # every step: a loss-only alert (NaN loss at an unsampled step) can be captured
+    OFF = "off"           # never: bundles are not written (nothing to replay from)
+
+
+class SnapshotTarget(str, enum.Enum):
+    """Where the snapshot ring lives."""
+    AUTO = "auto"         # the parameters' device while the ring takes <= 1/8 of its memory, else host
+    DEVICE = "device"     # same device as each tensor: one device copy, costs device memory
+    HOST = "host"         # pinned host memory: no device memory, costs a device-to-host copy
+
+
+class Retention(str, enum.Enum):
+    """What happens when capture_max or capture_max_bytes would be exceeded."""
+    KEEP_FIRST = "keep_first"  # later captures are skipped: the first anomaly is the origin
+    KEEP_LAST = "keep_last"    # the oldest bundles are deleted to make room
+
+
+def parse_trigger(entry: Any) -> tuple[str, int]:
+    """'critical' -> ('*', 2); 'overflow' -> ('overflow', 0); 'nonfinite:warning' -> ('nonfinite', 1).
+    A severity means 'at or above it'."""
+    if not isinstance(entry, str) or not entry or entry.count(":") > 1:
+        raise ValueError(f"Config.capture entries must be 'SEVERITY', 'DETECTOR' or "
+                         f"'DETECTOR:SEVERITY' strings, got {entry!r}")
+    det, _, sev = entry.partition(":")
+    if not sev and det in SEV_RANK:
+        return "*", SEV_RANK[det]
+    if not det:
+        raise ValueError(f"Config.capture entry {entry!r}: empty detector name")
+    if sev and sev not in SEV_RANK:
+        raise ValueError(f"Config.capture entry {entry!r}: severity must be one of {SEVERITIES}")
+    return det, SEV_RANK[sev] if sev else 0
+
+
+def triggers(entries) -> list[tuple[str, int]]:
+    return [parse_trigger(e) for e in entries]
+
+
+def matches(trig: list[tuple[str, int]], detector: str, severity: str) -> bool:
+    rank = SEV_RANK.get(severity, 0)
+    return any((d == "*" or d == detector) and rank >= r for d, r in trig)
+
+
+def validate(cfg: Any) -> dict[str, Any]:
+    """Normalised values of the capture fields of `cfg` (raises ValueError naming the field)."""
+    cap = cfg.capture
+    cap = (cap,) if isinstance(cap, str) else cap
+    if not isinstance(cap, (tuple, list)):
+        raise ValueError(f"Config.capture must be a list of trigger strings, got {cap!r}")
+    triggers(cap)
+    out: dict[str, Any] = {"capture": tuple(cap)}
+    if not isinstance(cfg.capture_dir, str) or not cfg.capture_dir.strip():
+        raise ValueError(f"Config.capture_dir must be a non-empty path string, "
+                         f"got {cfg.capture_dir!r}")
+    for name in ("capture_max", "capture_max_bytes", "capture_ring"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Config.{name} must be an integer >= 1, got {v!r}")
+    for name, kind in (("capture_snapshot", SnapshotPolicy), ("capture_snapshot_to", SnapshotTarget),
+                       ("capture_retention", Retention)):
+        v = getattr(cfg, name)
+        try:
+            out[name] = kind(v.value if isinstance(v, enum.Enum) else v)
+        except ValueError:
+            raise ValueError(f"Config.{name}: {v!r} is not one of "
+                             f"{[m.value for m in kind]}") from None
+    return out

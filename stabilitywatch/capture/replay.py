@@ -1,0 +1,194 @@
+"""`replay(capture)`: explain a captured step after the fact.
+
+1. Re-run the step as recorded under a fresh Monitor with the capture's Config and compare its
+   statistics rows with the recorded ones: equal bit for bit -> `reproduces` (the anomaly is in
+   the numerics of that step); otherwise the rows that differ (non-determinism, another device or
+   library version, or a hardware fault: Megatron's re-run machinery draws the same line).
+2. Re-run it in float64 (or float32), autocast off, and compare module by module: the first
+   module, in execution order, whose relative L2 error exceeds `tol` is `first_divergent_module`.
+3. With `upcast` globs: re-run with those modules in fp32 and say whether the captured alerts
+   come back.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .compare import compare, record
+from .reader import open_capture
+from .report import Progress
+from .rerun import Setup
+from ..stats.layout import Stat
+from .treeio import json_float, rows_from_json
+
+REF_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+# Rows equal but for float64 sums this close still reproduce: the Triton statistics kernel merges
+# its programs' partial sums with atomics, in an order that varies from run to run (~1e-16
+# relative); a one-ulp change of one bf16 element in 1e8 moves sumsq by ~4e-11 relative.
+SUM_RTOL = 1e-13
+
+
+def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = None,
+           step_fn: "str | Callable | None" = None, device: Optional[str] = None,
+           upcast: Sequence[str] = (), reference: str = "fp64", tol: float = 0.1,
+           emulate_formats: bool = True, optimizer: Optional[Callable] = None,
+           progress: Optional[bool] = None, json_file: "str | Path | None" = None) -> dict:
+    """Replay a capture bundle; returns the report (a JSON-able dict). See the module docstring
+    and the README's "Post-mortem" section. Raises CaptureError (a ValueError) for a missing,
+    truncated or tampered bundle, or a model/step function that cannot be imported."""
+    if reference not in REF_DTYPES:
+        raise ValueError(f"replay: reference must be one of {sorted(REF_DTYPES)}, got {reference!r}")
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"replay: tol must be a positive number, got {tol!r}")
+    upcast = (upcast,) if isinstance(upcast, str) else tuple(upcast)
+    t0 = time.perf_counter()
+    bar = Progress(total=4 + bool(upcast), enabled=True if progress is None else progress)
+    if progress is None:
+        bar.enabled = bar.tty
+    try:
+        bar.phase("verifying the bundle")
+        cap = open_capture(capture)
+        setup = Setup(cap, model_factory, step_fn, device, optimizer)
+        m = cap.manifest
+        report: dict[str, Any] = {
+            "capture": str(cap.path), "step": cap.step, "rank": m["rank"],
+            "device": str(setup.device), "recorded_device": _dev_name(m.get("device") or {}),
+            "versions": m.get("versions"), "alerts": m["alerts"],
+        }
+        bar.phase("re-running the step as recorded")
+        frame, base_alerts, _ = setup.run_monitored()
+        report["reproduce"] = _reproduce(m, frame, setup)
+        report["reproduces"] = report["reproduce"]["reproduces"]
+
+        bar.phase("recording the low-precision run")
+        names = setup.modules or [n for n, _ in setup.model().named_modules() if n]
+        low = record(setup, names, None)
+        bar.phase(f"recording the {reference} run and comparing")
+        ref = record(setup, names, REF_DTYPES[reference])
+        rows = compare(low, ref, setup.config(), tol, emulate_formats, progress=bar.sub)
+        first = next((r for r in rows if r["divergent"]), None)
+        report.update(reference_dtype=reference, tolerance=tol, emulate_formats=emulate_formats,
+                      modules=rows, first_divergent_module=first["module"] if first else None,
+                      first_divergent=None if first is None else {
+                          "module": first["module"], "tensor": first["tensor"],
+                          "judged_rel_l2": max(first.get("rel_l2", math.inf),
+                                               first.get("rel_l2_format", 0.0))})
+        del low, ref
+        report["upcast"] = None
+        if upcast:
+            bar.phase(f"re-running with {', '.join(upcast)} in fp32")
+            report["upcast"] = _upcast(setup, m, upcast, base_alerts)
+        report["seconds"] = round(time.perf_counter() - t0, 3)
+    finally:
+        bar.close()
+    report = _json_safe(report)
+    if json_file is not None:
+        Path(json_file).write_text(json.dumps(report, indent=1, allow_nan=False))
+    return report
+
+
+def _dev_name(d: dict) -> str:
+    return d.get("gpu") or d.get("type", "?")
+
+
+def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
+    st = m["stats"]
+    keys = [tuple(k) for k in st["keys"]]
+    rows = rows_from_json(st["rows"])
+    names = st.get("stat_names") or []
+    if frame is None:
+        return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
+                "missing": [list(k) for k in keys], "extra": [], "differences": [],
+                "verdict": "does NOT reproduce: the re-run produced no statistics for the step"}
+    got = dict(zip(frame.keys, frame.rows))
+    missing = [k for k in keys if k not in got]
+    extra = [k for k in frame.keys if k not in set(keys)]
+    diffs, differing, sums_only = [], 0, 0
+    for k, row in zip(keys, rows):
+        if k not in got:
+            continue
+        other = got[k]
+        bad = np.flatnonzero(~((row == other) | (np.isnan(row) & np.isnan(other))))
+        if bad.size and set(bad.tolist()) <= {int(Stat.SUM), int(Stat.SUMSQ)} and _sums_close(row, other):
+            sums_only += 1        # the Triton kernel merges float64 sums with atomics
+            continue
+        if bad.size:
+            differing += 1
+            for j in bad[:3]:
+                diffs.append({"module": k[0], "tensor": k[1],
+                              "stat": names[j] if j < len(names) else str(j),
+                              "recorded": float(row[j]), "replayed": float(other[j])})
+    ok = not (missing or extra or differing)
+    exact = ok and not sums_only
+    where = f"recorded on {_dev_name(m.get('device') or {})}, replayed on {setup.device}"
+    if ok:
+        how = "bit for bit" if exact else (
+            f"bit for bit except the float64 sums of {sums_only} rows, within {SUM_RTOL:g} (the "
+            f"statistics kernel adds with atomics; counts, extremes and histograms are exact)")
+        verdict = (f"reproduces {how} ({len(keys)} statistics rows): the anomaly comes "
+                   f"from the numerics of this step (data, weights, precision), not from "
+                   f"non-determinism or hardware")
+    else:
+        parts = [f"{differing} of {len(keys)} rows differ"] if differing else []
+        parts += [f"{len(missing)} rows missing"] if missing else []
+        parts += [f"{len(extra)} unexpected rows"] if extra else []
+        verdict = (f"does NOT reproduce ({', '.join(parts)}; {where}): suspect non-determinism "
+                   f"(atomics, algorithm choice), a different device or library version, or "
+                   f"a hardware fault")
+    return {"reproduces": ok, "bitwise": exact, "rows_sums_within_tolerance": sums_only,
+            "rows_compared": len(keys) - len(missing),
+            "rows_differing": differing, "missing": [list(k) for k in missing],
+            "extra": [list(k) for k in extra], "differences": diffs[:50], "verdict": verdict}
+
+
+def _sums_close(a: np.ndarray, b: np.ndarray) -> bool:
+    # |sum| can cancel to ~0: bound its error by sqrt(n * sumsq) >= sum |x| instead
+    scale_sum = math.sqrt(max(a[Stat.NUMEL], 1.0) * abs(a[Stat.SUMSQ]))
+    return (abs(a[Stat.SUM] - b[Stat.SUM]) <= SUM_RTOL * scale_sum
+            and abs(a[Stat.SUMSQ] - b[Stat.SUMSQ]) <= SUM_RTOL * abs(a[Stat.SUMSQ]))
+
+
+def _akey(a: Any) -> str:
+    if isinstance(a, dict):
+        return f"{a['detector']} {a['module'] or '<model>'} {a['tensor']} {a['stat']}"
+    return f"{a.detector} {a.module or '<model>'} {a.tensor} {a.stat}"
+
+
+def _upcast(setup: Setup, m: dict, globs: tuple[str, ...], base_alerts: list) -> dict:
+    from .reader import CaptureError
+
+    matched = setup.matching(setup.model(), list(globs))
+    if not matched:
+        raise CaptureError(f"--upcast {', '.join(globs)} matches no module of the model")
+    _, alerts, loss = setup.run_monitored(upcast=globs)
+    # the anomaly: captured alerts that the as-recorded re-run raises again. Alerts that need a
+    # history (drift, spike, cooldown reminders) cannot come back in a one-step replay: they are
+    # listed as not judged rather than counted as gone.
+    base = {_akey(a) for a in base_alerts}
+    captured = list(dict.fromkeys(_akey(a) for a in m["alerts"]))
+    judged = [k for k in captured if k in base]
+    now = {_akey(a) for a in alerts}
+    remaining = [k for k in judged if k in now]
+    return {"globs": list(globs), "modules": matched,
+            "anomaly_disappears": (not remaining) if judged else None,
+            "judged": judged, "remaining": remaining,
+            "not_judged": [k for k in captured if k not in base],
+            "new": sorted(now - set(captured) - base), "loss": float(loss.float())}
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float):
+        return json_float(v)
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, (np.floating, np.integer)):
+        return _json_safe(v.item())
+    return v

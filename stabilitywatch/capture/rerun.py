@@ -1,0 +1,222 @@
+"""Re-running a captured step: rebuild the model and optimizer from the bundle, restore RNG and
+batch, and run `step_fn(model, batch) -> loss`, backward and the optimizer step.
+
+Imports happen here only: the model factory and step function named in the manifest (or given
+by the user) are imported when a replay runs; opening or inspecting a bundle imports nothing.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import glob
+import importlib
+import random
+import tempfile
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .reader import Capture, CaptureError, rng_numpy, rng_python
+from .treeio import config_from_json, decode_tree
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def resolve(path: Optional[str], what: str) -> Callable:
+    if not path or not isinstance(path, str) or ":" not in path:
+        raise CaptureError(f"no {what} to replay with: the capture records {path!r}; pass an "
+                           f"import path 'package.module:function'")
+    mod_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise CaptureError(f"cannot import {what} {path!r} ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise CaptureError(f"{what} {path!r} is not callable")
+    return obj
+
+
+class Setup:
+    """Everything needed to start the captured step again, as many times as asked."""
+
+    def __init__(self, cap: Capture, model_factory: "str | Callable | None" = None,
+                 step_fn: "str | Callable | None" = None, device: Optional[str] = None,
+                 optimizer: Optional[Callable] = None):
+        m = cap.manifest
+        self.cap, self.step = cap, cap.step
+        self.factory = model_factory if callable(model_factory) else \
+            resolve(model_factory or m.get("model_factory"), "model factory")
+        self.step_fn = step_fn if callable(step_fn) else \
+            resolve(step_fn or m.get("step_fn"), "step function")
+        recorded = (m.get("device") or {}).get("type", "cpu")
+        if device is None:
+            device = "cuda" if recorded == "cuda" and torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise CaptureError("--device cuda asked for, but no CUDA device is visible")
+        self.optimizer_factory = optimizer
+        self.state = cap.tensors("model")
+        self.optim_state = cap.tensors("optimizer")
+        self.modules = list(m.get("modules") or [])
+
+    # -- pieces ----------------------------------------------------------------------------
+    def model(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
+        model = self.factory()
+        if not isinstance(model, nn.Module):
+            raise CaptureError(f"the model factory returned a {type(model).__name__}, "
+                               f"not a torch.nn.Module")
+        model.to(self.device)
+        with torch.no_grad():
+            for name, t in self.state.items():
+                try:
+                    dst = model.get_parameter(name)
+                except AttributeError:
+                    try:
+                        dst = model.get_buffer(name)
+                    except AttributeError:
+                        raise CaptureError(f"the model from the factory has no parameter or "
+                                           f"buffer {name!r}: not the captured model") from None
+                if dst.shape != t.shape:
+                    raise CaptureError(f"{name}: shape {tuple(t.shape)} in the capture, "
+                                       f"{tuple(dst.shape)} in the model from the factory")
+                dst.copy_(t)
+        if dtype is not None:
+            model.to(dtype)
+        return model
+
+    def optimizer(self, model: nn.Module) -> Optional[torch.optim.Optimizer]:
+        meta = self.cap.manifest.get("optimizer")
+        if not meta:
+            return None
+        params = dict(model.named_parameters())
+        groups = []
+        for g in meta["param_groups"]:
+            hyper = {k: _hyper(v) for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": [params[n] for n in g["params"]]})
+        if self.optimizer_factory is not None:
+            opt = self.optimizer_factory(groups)
+        else:
+            cls_path = meta["class"]
+            mod, _, name = cls_path.rpartition(".")
+            if not mod.startswith("torch.optim"):
+                raise CaptureError(f"optimizer {cls_path} is not one of torch.optim's; pass "
+                                   f"optimizer=callable(param_groups) to replay()")
+            opt = getattr(importlib.import_module(mod), name)(groups)
+        state: dict[int, dict] = {}
+        for key, t in self.optim_state.items():
+            i, _, k = key.partition(".")
+            state.setdefault(int(i), {})[k] = t
+        for key, v in (meta.get("other_state") or {}).items():
+            i, _, k = key.partition(".")
+            state.setdefault(int(i), {})[k] = v
+        sd = opt.state_dict()
+        opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        return opt
+
+    def batch(self, dtype: Optional[torch.dtype] = None) -> Any:
+        tensors = {k: _to(v, self.device, dtype) for k, v in self.cap.tensors("batch").items()}
+        return decode_tree(self.cap.manifest["batch"], tensors)
+
+    def restore_rng(self) -> None:
+        rng = self.cap.manifest["rng"]
+        st = rng_python(rng)
+        if st is not None:
+            random.setstate(st)
+        st = rng_numpy(rng)
+        if st is not None:
+            np.random.set_state(st)
+        t = self.cap.tensors("rng")
+        torch.set_rng_state(t["torch"])
+        cuda = [t[f"cuda.{i}"] for i in range(int(rng.get("cuda_devices", 0)))]
+        if cuda and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+    def config(self, **overrides):
+        names = tuple(glob.escape(n) for n in self.modules)
+        base = {"modules": names, "module_types": (), "exclude": (), "sinks": (), "capture": ()}
+        return config_from_json(self.cap.manifest["config"], **{**base, **overrides})
+
+    def matching(self, model: nn.Module, patterns: list[str]) -> list[str]:
+        return [n for n, _ in model.named_modules() if n and
+                any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+    # -- one step --------------------------------------------------------------------------
+    def run_monitored(self, upcast: tuple[str, ...] = ()):
+        """The step as recorded (optionally with modules forced to fp32) under a fresh Monitor
+        with the capture's Config. Returns (frame of the step or None, alerts, loss)."""
+        from ..monitor import watch
+
+        model = self.model()
+        for name in self.matching(model, list(upcast)):
+            force_precision(model.get_submodule(name), torch.float32, self.device.type)
+        opt = self.optimizer(model)
+        batch = self.batch()
+        frames: list = []
+        with tempfile.TemporaryDirectory(prefix="sw-replay-") as tmp:
+            mon = watch(model, opt, config=self.config(), run_dir=tmp)
+            handle = mon._handle
+
+            def keep(frame):  # the frame itself, for a bit-for-bit comparison of its rows
+                frames.append(frame)
+                handle(frame)
+            mon._handle = keep
+            self.restore_rng()
+            try:
+                with mon.step(self.step, batch=batch):
+                    loss = self.step_fn(model, batch)
+                    loss.backward()
+                    mon.observe_loss(loss)
+                    if opt is not None:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            finally:
+                mon.close()
+        frame = next((f for f in frames if f.step == self.step), None)
+        return frame, [a for a in mon.alerts if a.step == self.step], loss.detach()
+
+
+def force_precision(mod: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    """Run `mod` in `dtype`: autocast off inside it, floating inputs of lower precision cast up,
+    its own lower-precision parameters converted. Replay-only: the model is a fresh copy."""
+    if any(p.dtype in LOW_DTYPES or (p.is_floating_point() and p.dtype != dtype
+                                     and dtype == torch.float64) for p in mod.parameters()):
+        mod.to(dtype)
+    orig = mod.forward
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        args, kwargs = _up((args, kwargs), dtype)
+        with torch.autocast(device_type=device_type, enabled=False):
+            return orig(*args, **kwargs)
+    mod.forward = forward
+
+
+def _up(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and (obj.dtype in LOW_DTYPES or dtype == torch.float64):
+            return obj.to(dtype)
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_up(x, dtype) for x in obj)
+    if isinstance(obj, list):
+        return [_up(x, dtype) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _up(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = t.to(device)
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _hyper(v: Any) -> Any:
+    if isinstance(v, dict) and set(v) == {"tensor"}:
+        return torch.tensor(v["tensor"])
+    if isinstance(v, list):
+        return tuple(v)   # betas and the like were tuples
+    return v

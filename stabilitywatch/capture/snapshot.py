@@ -1,0 +1,187 @@
+"""Start-of-step state, kept until the step's statistics have been read.
+
+Frames are read on the host one step late (CUDA) or at the end of the step (CPU); by then the
+optimizer has updated the weights. So on steps that may be captured, the state as the step's
+forward sees it is copied at step start into one slot of a small ring of preallocated buffers:
+parameters and buffers, per-element optimizer state, RNG states (Python, NumPy, torch CPU and
+CUDA) and the batch (held by reference). A slot is released once its frame has been processed.
+
+Hot path: `copy_(..., non_blocking=True)` on the current stream (ordered before the optimizer
+step that follows), no `.item()`, no host sync. Buffers are allocated on the first snapshot and
+again only when the set of tensors changes (the optimizer creates its state on the first step).
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .policy import SnapshotTarget
+
+log = logging.getLogger("stabilitywatch")
+
+
+@dataclass
+class Slot:
+    """One snapshot: buffers are reused from step to step; `step` is None while free."""
+    sig: tuple = ()
+    model: dict[str, torch.Tensor] = field(default_factory=dict)    # name -> copy
+    optim: dict[str, torch.Tensor] = field(default_factory=dict)    # "<index>.<state>" -> copy
+    step: Optional[int] = None
+    seq: int = -1
+    optim_meta: Optional[dict] = None   # param groups (by parameter name), non-tensor state
+    rng: dict = field(default_factory=dict)
+    batch: Any = None                   # by reference: the loop must not modify it in place
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.model, self.optim) for t in d.values())
+
+
+def _model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # tied parameters appear once (named_parameters de-duplicates); restore uses the same names
+    out = [(n, p.detach()) for n, p in model.named_parameters()]
+    out += [(n, b) for n, b in model.named_buffers() if isinstance(b, torch.Tensor)]
+    return out
+
+
+def _optim_tensors(opt: Optional[torch.optim.Optimizer], names: dict[int, str]):
+    """(tensors, meta): state tensors keyed "<flat index>.<state>" as in opt.state_dict(), and
+    the JSON-able rest (param groups with parameter names, non-tensor state values)."""
+    if opt is None:
+        return [], None
+    tensors, groups, other = [], [], {}
+    i = 0
+    for g in opt.param_groups:
+        hyper = {k: _plain(v) for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [names.get(id(p), f"<unnamed {i + j}>")
+                                           for j, p in enumerate(g["params"])]})
+        for p in g["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors.append((f"{i}.{k}", v.detach()))
+                else:
+                    other[f"{i}.{k}"] = _plain(v)
+            i += 1
+    return tensors, {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+                     "param_groups": groups, "other_state": other}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-able copy of an optimizer hyper-parameter (lr may be a tensor; betas a tuple)."""
+    if isinstance(v, torch.Tensor):  # a device copy, turned into numbers when written (no sync)
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+class Snapshotter:
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 ring: int = 2, target: SnapshotTarget = SnapshotTarget.AUTO):
+        self.model, self.optimizer = model, optimizer
+        self.target = target
+        self.slots = [Slot() for _ in range(ring)]
+        self.skipped = 0          # snapshots not taken because every slot was still held
+        self.disabled = False
+        self._names = {id(p): n for n, p in model.named_parameters()}
+
+    # -- hot path ------------------------------------------------------------------------------
+    def take(self, step: int, batch: Any, seq: int) -> Optional[Slot]:
+        """Copy the current state into a free slot; None when every slot is held (the oldest
+        steps' statistics are not read yet) or snapshots are off."""
+        if self.disabled:
+            return None
+        slot = next((s for s in self.slots if s.step is None), None)
+        if slot is None:
+            self.skipped += 1
+            return None
+        mt = _model_tensors(self.model)
+        ot, meta = _optim_tensors(self.optimizer, self._names)
+        sig = tuple((n, t.shape, t.dtype, t.device) for n, t in mt + ot)
+        try:
+            if sig != slot.sig:
+                self._allocate(slot, sig, mt, ot)
+            _copy(list(slot.model.values()) + list(slot.optim.values()), [t for _, t in mt + ot])
+        except Exception as e:  # out of memory, odd tensors: no snapshots, training goes on
+            self.disabled = True
+            self._release_all()
+            log.warning("stabilitywatch: start-of-step snapshots switched off (%s: %s); alerts "
+                        "are still recorded, without captures", type(e).__name__, e)
+            return None
+        # param groups can change between steps (LR schedules): copy their values now
+        slot.optim_meta = meta
+        slot.rng = _rng_states()
+        slot.batch, slot.step, slot.seq = batch, step, seq
+        return slot
+
+    def release_through(self, seq: int) -> None:
+        """Free the slots of steps begun at or before sequence number `seq`."""
+        for s in self.slots:
+            if s.step is not None and s.seq <= seq:
+                s.step, s.batch, s.rng = None, None, {}
+
+    def find(self, step: int) -> Optional[Slot]:
+        return next((s for s in self.slots if s.step == step), None)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the ring's buffers."""
+        return sum(s.nbytes for s in self.slots)
+
+    # -- allocation (first snapshot, or when the optimizer created new state) -------------------
+    def _allocate(self, slot: Slot, sig, mt, ot) -> None:
+        slot.sig, slot.model, slot.optim = (), {}, {}   # drop the old buffers first
+        on_host = self._on_host([t for _, t in mt + ot])
+        slot.model = {n: _empty(t, on_host) for n, t in mt}
+        slot.optim = {n: _empty(t, on_host) for n, t in ot}
+        slot.sig = sig
+
+    def _on_host(self, tensors: list[torch.Tensor]) -> bool:
+        if self.target is SnapshotTarget.HOST:
+            return True
+        if self.target is SnapshotTarget.DEVICE:
+            return False
+        # auto: the whole ring on the device only while it takes <= 1/8 of the device's memory
+        need = len(self.slots) * sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+        devs = {t.device for t in tensors if t.is_cuda}
+        if not devs:
+            return False
+        total = min(torch.cuda.get_device_properties(d).total_memory for d in devs)
+        return need > total / 8
+
+    def _release_all(self) -> None:
+        for s in self.slots:
+            s.sig, s.model, s.optim, s.step, s.batch = (), {}, {}, None, None
+
+
+def _empty(t: torch.Tensor, on_host: bool) -> torch.Tensor:
+    if on_host and t.is_cuda:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return torch.empty_like(t)
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if not dst:
+        return
+    try:  # one multi-tensor launch per device group instead of one per tensor
+        torch._foreach_copy_(dst, src, non_blocking=True)
+    except Exception:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+
+def _rng_states() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(),
+          "torch": torch.get_rng_state()}
+    # only when CUDA is already in use: querying it would otherwise initialise a context
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st

@@ -1,0 +1,148 @@
+"""Writing bundles: atomically (a temporary directory renamed into place), with a sha256 of every
+file, within count and byte limits.
+
+A bundle is a directory:
+    manifest.json          step, rank, alerts, config, versions, stats rows, file checksums...
+    model.safetensors      parameters and buffers at the start of the step
+    optimizer.safetensors  per-parameter optimizer state at the start of the step
+    batch.safetensors      the batch's tensors (its structure is in the manifest)
+    rng.safetensors        torch CPU/CUDA generator states (Python/NumPy states are in the manifest)
+    SHA256SUMS             `sha256sum -c SHA256SUMS` format, covering every file above
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .policy import Retention
+
+MANIFEST = "manifest.json"
+SUMS = "SHA256SUMS"
+KIND = "stabilitywatch.capture"
+BUNDLE_SCHEMA = 1
+TENSOR_FILES = ("model", "optimizer", "batch", "rng")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bundle(root: Path, name: str, manifest: dict,
+                 tensors: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """Write `tensors` (file stem -> {key: tensor}) and the manifest under root/name, atomically.
+    Returns the final directory. Raises OSError (or whatever safetensors raises) on failure and
+    leaves nothing behind but, at worst, a hidden temporary directory."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = {}
+        for stem, group in tensors.items():
+            fname = f"{stem}.safetensors"
+            save_file({k: v.detach().cpu().contiguous() for k, v in group.items()},
+                      str(tmp / fname), metadata={"format": "pt"})
+            _fsync(tmp / fname)
+            files[fname] = {"sha256": sha256_file(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+        manifest = {**manifest, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
+        _fsync(tmp / MANIFEST)
+        sums = {**{k: v["sha256"] for k, v in files.items()}, MANIFEST: sha256_file(tmp / MANIFEST)}
+        (tmp / SUMS).write_text("".join(f"{h}  {f}\n" for f, h in sorted(sums.items())))
+        _fsync(tmp / SUMS)
+        final = _free_name(root, name)
+        os.rename(tmp, final)          # atomic on one file system: a bundle is whole or absent
+        try:
+            _fsync(root)
+        except OSError:
+            pass                       # some file systems cannot fsync a directory
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _free_name(root: Path, name: str) -> Path:
+    final, i = root / name, 1
+    while final.exists():              # a resumed run capturing the same step again
+        final, i = root / f"{name}.{i}", i + 1
+    return final
+
+
+def bundle_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+@dataclass
+class _Entry:
+    path: Path
+    nbytes: int
+    mtime: float
+
+
+class Store:
+    """The bundles in one directory and the limits on them. Bundles already there (a resumed
+    run) count against the limits; temporary directories do not."""
+
+    def __init__(self, root: Path, max_count: int, max_bytes: int, retention: Retention):
+        self.root, self.max_count, self.max_bytes = root, max_count, max_bytes
+        self.retention = retention
+        self.entries: list[_Entry] = []
+        try:
+            for p in (root.iterdir() if root.is_dir() else ()):
+                if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file():
+                    self.entries.append(_Entry(p, bundle_bytes(p), p.stat().st_mtime))
+        except OSError:  # unreadable: writing will fail later, with its one warning
+            pass
+        self.entries.sort(key=lambda e: (e.mtime, e.path.name))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def full(self) -> bool:
+        """No further bundle can be written (keep_first at a limit)."""
+        return (self.retention is Retention.KEEP_FIRST
+                and (len(self.entries) >= self.max_count or self.nbytes >= self.max_bytes))
+
+    def make_room(self, need: int) -> Optional[str]:
+        """None when a bundle of about `need` bytes may be written now (deleting the oldest
+        bundles under keep_last), else the reason it may not."""
+        if need > self.max_bytes:
+            return f"it would take ~{need} bytes, more than capture_max_bytes={self.max_bytes}"
+        if self.retention is Retention.KEEP_FIRST:
+            if len(self.entries) >= self.max_count:
+                return f"capture_max={self.max_count} bundles already written (keep_first)"
+            if self.nbytes + need > self.max_bytes:
+                return f"capture_max_bytes={self.max_bytes} would be exceeded (keep_first)"
+            return None
+        while self.entries and (len(self.entries) >= self.max_count
+                                or self.nbytes + need > self.max_bytes):
+            old = self.entries.pop(0)
+            shutil.rmtree(old.path, ignore_errors=True)
+        return None
+
+    def add(self, path: Path) -> None:
+        self.entries.append(_Entry(path, bundle_bytes(path), path.stat().st_mtime))

@@ -1,0 +1,183 @@
+"""Spikes: the loss, gradient norms (global and per layer), attention-logit growth and output-logit
+divergence (Wortsman et al. 2023, arXiv 2309.14322).
+
+- loss (module "", every step): spike when loss - median > max(spike_z * noise,
+  spike_loss_rel * |median|) over the previous `spike_window` losses, where noise is the
+  step-to-step scale 1.4826 * MAD(successive differences) / sqrt(2) (a falling loss does not
+  inflate it);
+- gradient norms (on steps that read gradients): the global L2 norm (module "", role
+  `grad_norm`, the same number as stats.jsonl) and each module's, in log2: spike when
+  log2(g) - median > max(spike_z * noise, spike_grad_bits or, per layer,
+  spike_layer_grad_bits). Per-layer spikes are info alerts (one small module's norm - a
+  LayerNorm, a bias - is too noisy for a warning), and the global alert names the layer with
+  the largest jump;
+- attention logits (role `attn_logits`, see hooks/logits.py): warning when max |logit| passes
+  `spike_attn_logit_max`, or has grown `spike_attn_growth_bits` above the median of its first
+  `spike_min_history` samples while above `spike_attn_floor`;
+- output logits (role `logz`): warning when mean log Z moved `spike_logz_drift` nats from the
+  median of its first `spike_min_history` samples.
+"""
+from __future__ import annotations
+
+import math
+
+from ..alert import Alert, Severity
+from ..config import Config
+from ..stats.buffer import StatsFrame
+from ..stats.derive import finite_count
+from ..stats.layout import Stat
+from .base import Detector
+from .series import Window, log2_or_none
+
+
+def is_grad_role(role: str) -> bool:
+    return role == "grad" or role.startswith("grad.")
+
+
+def grad_norms(frame: StatsFrame) -> tuple[float, dict[str, float]]:
+    """(global L2 norm, {module: L2 norm}) of the parameter gradients in the frame (NaN global
+    when there are none). Non-finite values are not in the sums (the nonfinite detector's)."""
+    per: dict[str, float] = {}
+    for i, (m, r) in enumerate(frame.keys):
+        if is_grad_role(r):
+            per[m] = per.get(m, 0.0) + float(frame.rows[i][Stat.SUMSQ])
+    total = math.sqrt(sum(per.values())) if per else math.nan
+    return total, {m: math.sqrt(v) for m, v in per.items()}
+
+
+class SpikeDetector(Detector):
+    name = "spike"
+
+    def __init__(self, config: Config):
+        self.cfg = config
+        self._win: dict[tuple[str, str], Window] = {}
+
+    def _window(self, key) -> Window:
+        w = self._win.get(key)
+        if w is None:
+            w = self._win[key] = Window(self.cfg.spike_window, early=self.cfg.spike_min_history)
+        return w
+
+    def check(self, frame: StatsFrame) -> list[Alert]:
+        out: list[Alert] = []
+        total, per = grad_norms(frame)
+        if per:
+            out += self._grad_spikes(frame, total, per)
+        i = frame.index("", "loss")
+        if i is not None:
+            row = frame.rows[i]
+            n = finite_count(row)
+            if n > 0 and row[Stat.NAN] + row[Stat.POSINF] + row[Stat.NEGINF] == 0:
+                a = self._loss(frame, float(row[Stat.SUM]) / n)
+                if a:
+                    out.append(a)
+        for j, (m, r) in enumerate(frame.keys):
+            if r == "attn_logits":
+                a = self._attn(frame, m, frame.derived(j)["absmax"])
+            elif r == "logz":
+                a = self._logz(frame, m, frame.derived(j)["mean"])
+            else:
+                continue
+            if a:
+                out.append(a)
+        return out
+
+    # -- loss -----------------------------------------------------------------------------------
+    def _loss(self, frame, loss):
+        cfg, w = self.cfg, self._window(("", "loss"))
+        alert = None
+        if len(w) >= cfg.spike_min_history:
+            med, sigma = w.noise()
+            thr = max(cfg.spike_z * sigma, cfg.spike_loss_rel * abs(med), 1e-12)
+            if loss - med > thr:
+                msg = (f"loss {loss:.4g} is {loss - med:.3g} above its median {med:.4g} over the "
+                       f"last {len(w)} steps (threshold +{thr:.3g}: max({cfg.spike_z:g} robust "
+                       f"sigma, {cfg.spike_loss_rel:g} x |median|))")
+                alert = Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
+                              module="", tensor="loss", stat="loss", value=loss,
+                              threshold=med + thr, message=msg, rank=frame.rank,
+                              extra={"median": med})
+        w.push(loss)
+        return alert
+
+    # -- gradient norms ---------------------------------------------------------------------------
+    def _jump(self, key, value, min_bits):
+        """(bits above the median, threshold in bits, median) or None; pushes the value."""
+        x = log2_or_none(value)
+        if x is None:
+            return None
+        w, res = self._window(key), None
+        if len(w) >= self.cfg.spike_min_history:
+            med, sigma = w.noise()
+            thr = max(self.cfg.spike_z * sigma, min_bits)
+            res = (x - med, thr, 2.0 ** med)
+        w.push(x)
+        return res
+
+    def _grad_spikes(self, frame, total, per):
+        layer = {}
+        for m, g in per.items():
+            j = self._jump((m, "grad"), g, self.cfg.spike_layer_grad_bits)
+            if j is not None and j[0] > j[1]:
+                layer[m] = (g, j)
+        out = []
+        j = self._jump(("", "grad_norm"), total, self.cfg.spike_grad_bits)
+        global_spike = j is not None and j[0] > j[1]
+        if global_spike:
+            top = max(layer, key=lambda m: layer[m][1][0], default=None)
+            where = (f"; largest per-layer jump: {top} (x{2 ** layer[top][1][0]:.1f})"
+                     if top is not None else "")
+            msg = (f"global gradient norm {total:.4g} is x{2 ** j[0]:.1f} its median "
+                   f"{j[2]:.4g} over the last {len(self._win[('', 'grad_norm')]) - 1} samples "
+                   f"(threshold x{2 ** j[1]:.1f}){where}")
+            out.append(Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
+                             module="", tensor="grad_norm", stat="l2norm", value=total,
+                             threshold=j[2] * 2 ** j[1], message=msg, rank=frame.rank,
+                             extra={"layers": sorted(layer)}))
+        for m, (g, (dev, thr, med)) in layer.items():
+            sev = Severity.INFO
+            msg = (f"gradient norm of {m} {g:.4g} is x{2 ** dev:.1f} its median {med:.4g} "
+                   f"(threshold x{2 ** thr:.1f})"
+                   + ("; the global norm spiked too" if global_spike else ""))
+            out.append(Alert(step=frame.step, detector=self.name, severity=sev, module=m,
+                             tensor="grad", stat="l2norm", value=g, threshold=med * 2 ** thr,
+                             message=msg, rank=frame.rank))
+        return out
+
+    # -- attention and output logits -----------------------------------------------------------
+    def _attn(self, frame, module, amax):
+        cfg, w = self.cfg, self._window((module, "attn_logits"))
+        if not (amax > 0 and math.isfinite(amax)):
+            return None
+        w.push(math.log2(amax))
+        base = 2.0 ** w.baseline if not math.isnan(w.baseline) else math.nan
+        grown = (not math.isnan(base) and amax >= cfg.spike_attn_floor
+                 and math.log2(amax / base) >= cfg.spike_attn_growth_bits)
+        if amax <= cfg.spike_attn_logit_max and not grown:
+            return None
+        why = (f"above {cfg.spike_attn_logit_max:g}" if amax > cfg.spike_attn_logit_max else
+               f"x{amax / base:.1f} its early median {base:.3g} (threshold "
+               f"x{2 ** cfg.spike_attn_growth_bits:g} above {cfg.spike_attn_floor:g})")
+        msg = (f"attention-logit growth: max |q.k|/sqrt(d) = {amax:.4g}, {why}; large attention "
+               f"logits collapse the softmax to one-hot and precede divergence (Wortsman et al. "
+               f"2023); qk-layernorm or a lower learning rate keeps them bounded")
+        return Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
+                     module=module, tensor="attn_logits", stat="absmax", value=amax,
+                     threshold=cfg.spike_attn_logit_max if amax > cfg.spike_attn_logit_max
+                     else base * 2 ** cfg.spike_attn_growth_bits, message=msg, rank=frame.rank,
+                     extra={"early_median": base})
+
+    def _logz(self, frame, module, mean):
+        cfg, w = self.cfg, self._window((module, "logz"))
+        if not math.isfinite(mean):
+            return None
+        w.push(mean)
+        if math.isnan(w.baseline) or abs(mean - w.baseline) <= cfg.spike_logz_drift:
+            return None
+        msg = (f"output-logit divergence: mean log Z {mean:.4g} moved {mean - w.baseline:+.3g} "
+               f"nats from its early median {w.baseline:.4g} (threshold {cfg.spike_logz_drift:g}); "
+               f"a z-loss (1e-4 * log Z^2) keeps it near 0 (Wortsman et al. 2023)")
+        return Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
+                     module=module, tensor="logz", stat="mean", value=mean,
+                     threshold=cfg.spike_logz_drift, message=msg, rank=frame.rank,
+                     extra={"early_median": w.baseline})

@@ -1,0 +1,294 @@
+"""The Monitor's link to torch.distributed: lockstep flushes, one collective each.
+
+Lockstep. A collective must be entered by every rank the same number of times, in the same
+order, whatever each rank saw. So nothing here depends on timing, data or alerts:
+- a flush happens at every `dist_flush_every`-th step end, counted on each rank (all ranks run
+  the same number of `mon.step` blocks, as they must for their own collectives), and at close();
+- a flush carries the frames of exactly the step ends before the current one (not the one just
+  ended, whose device copies may still be in flight): on CUDA they were queued a step earlier,
+  so reading them rarely waits; which frames go is decided from step-end counts, not from
+  whether a copy has landed (`StatsBuffer.poll(block=True, limit=...)`);
+- rows are identified by a hash of (module, role), not by slot numbers (which follow first touch
+  and may differ between ranks); a row missing on a rank is simply absent from its payload,
+  which is the identity of the merge;
+- each flush is one fixed-size all-gather (`wire.py`); only when some rank's rows outgrow the
+  agreed size do all ranks, seeing the same headers, repeat it once with a larger size;
+- detectors, alerts, captures and sinks run after the collective and never add or skip one.
+
+Failure. A collective that fails or takes longer than `dist_timeout` (a rank died, or left)
+detaches the monitor from the others: from then on each rank reads its own frames and writes
+them to its own files (`alerts.rank{r}.jsonl`...), with a warning. A rank that closes tells
+the others in its last payload, and they detach at once instead of waiting for a timeout.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config_distributed import DistBackend, DistMode
+from ..stats.buffer import Phase
+from ..stats.layout import N_STATS
+from . import wire
+from .dtensor import placement, to_local
+from .merge import LocalFrame, _stack, local_frames, merged_frames, payload_rows
+
+log = logging.getLogger("stabilitywatch")
+
+INITIAL_CAPACITY = 1 << 16
+_PARAM_PHASES = (Phase.WEIGHT, Phase.GRAD, Phase.OPTIM)
+# sinks that create nothing until written to: non-zero ranks keep them for the fallback
+LAZY_SINKS = ("jsonl", "console")
+
+
+def dist_info() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return 0, 1
+
+
+class Coordinator:
+    """One process, or ranks that exchange nothing (dist_mode="per_rank" without divergence):
+    frames pass straight through; DTensors are read as their local shard."""
+
+    active = False
+
+    def __init__(self, monitor: Any):
+        self.mon = monitor
+
+    def local(self, t: torch.Tensor, module: str, role: str) -> torch.Tensor:
+        return to_local(t)
+
+    def frames(self, buffer, final: bool) -> list:
+        """Called once per step end (final=False) and at close (final=True)."""
+        return buffer.poll(block=final, rank=self.mon.rank, world_size=self.mon.world_size)
+
+    def detectors(self) -> list:
+        return []
+
+    def sink_config(self, config):
+        return config
+
+    def annotate(self, frame, alerts: list) -> list:
+        return alerts
+
+    def record_fields(self, frame) -> dict:
+        """Extra keys of a frame's stats records: {"merged": bool} in a distributed run."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class DistCoordinator(Coordinator):
+    active = True
+
+    def __init__(self, monitor: Any):
+        super().__init__(monitor)
+        import torch.distributed as dist
+        self._dist = dist
+        cfg = monitor.config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mode: DistMode = cfg.dist_mode
+        self.every = cfg.dist_flush_every
+        self.compare = cfg.dist_divergence
+        self.timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+        # gradients read before DDP's all-reduce (no optimizer: post-accumulate hooks) differ
+        self.grads_replicated = monitor.optimizer is not None
+        self.group = None
+        self.device = torch.device("cpu")
+        if cfg.dist_backend is DistBackend.GLOO:
+            # a CPU side group: our collectives never queue behind (or between) the job's own,
+            # and never wait for the GPU. Making it is a collective: watch() runs on every rank.
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        elif dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.capacity = INITIAL_CAPACITY
+        self.names: dict[int, tuple[str, str]] = {}
+        self.flushes = 0
+        self.collectives = 0
+        self.detached = False
+        self._published: set[int] = set()
+        self._ids: dict[tuple[str, str], int] = {}
+        self._placement: dict[tuple[str, str], tuple[bool, bool]] = {}
+        self._ends = 0
+        self._entry_end: collections.deque = collections.deque()   # end index of each unread one
+
+    # -- hot path (host bookkeeping only) ------------------------------------------------------
+    def local(self, t: torch.Tensor, module: str, role: str) -> torch.Tensor:
+        key = (module, role)
+        if key not in self._placement:
+            pl = placement(t)
+            if pl is not None:
+                self._placement[key] = pl
+        return to_local(t)
+
+    # -- step ends -----------------------------------------------------------------------------
+    def frames(self, buffer, final: bool) -> list:
+        if not final:
+            self._ends += 1
+            # called right after end_step: at most one new unread buffer entry, from this end
+            if not self.detached and buffer.pending > len(self._entry_end):
+                self._entry_end.append(self._ends)
+        if self.detached:
+            return self._fallback(buffer.poll(block=final, rank=self.mon.rank,
+                                              world_size=self.world))
+        if final:
+            take = buffer.pending
+        elif self._ends % self.every == 0:
+            take = sum(1 for e in self._entry_end if e < self._ends)
+        else:
+            return []
+        got = buffer.poll(block=True, limit=take, rank=self.mon.rank, world_size=self.world)
+        local = [self._local_frame(self._entry_end.popleft(), f) for f in got]
+        return self._flush(local, final)
+
+    def _local_frame(self, end: int, frame) -> LocalFrame:
+        ids, kinds = [], []
+        for (m, r), ph in zip(frame.keys, frame.phases):
+            k = self._ids.get((m, r))
+            if k is None:
+                k = self._ids[(m, r)] = wire.key_id(m, r)
+            ids.append(k)
+            kinds.append(self._kind((m, r), ph))
+        return LocalFrame(end=end, frame=frame, key_ids=ids, kinds=kinds)
+
+    def _kind(self, key, phase: int) -> int:
+        pl = self._placement.get(key)
+        if pl is not None and pl[0]:
+            return wire.SHARDED | (wire.OWNER if pl[1] else 0)
+        if phase in _PARAM_PHASES and (phase != Phase.GRAD or self.grads_replicated):
+            return wire.REPLICATED
+        return wire.LOCAL | wire.OWNER
+
+    # -- the collective ------------------------------------------------------------------------
+    def _flush(self, local: list, final: bool) -> list:
+        self.flushes += 1
+        parts = [payload_rows(lf, send_full=self.mode is DistMode.RANK0) for lf in local]
+        new = sorted({k for lf in local for k in lf.key_ids} - self._published)
+        key_name = {k: n for lf in local for k, n in zip(lf.key_ids, lf.frame.keys)}
+        names = [[k, *key_name[k]] for k in new]
+        full_a = _stack([p[0] for p in parts], wire.N_META + N_STATS)
+        fp_a = _stack([p[1] for p in parts], wire.N_META + len(wire.FP_STATS))
+        try:
+            payloads = self._exchange(full_a, fp_a, names, final)
+        except Exception as e:
+            self._detach(f"the flush collective failed ({type(e).__name__}: {e})")
+            return self._fallback([lf.frame for lf in local])
+        self._published.update(new)
+        for p in payloads:
+            for k, m, r in p.names:
+                self.names.setdefault(k, (m, r))
+        gone = [p.rank for p in payloads if p.final and p.rank != self.rank]
+        if self.mode is DistMode.RANK0:
+            if self.rank == 0:
+                out = merged_frames(payloads, self.names, local, self.mon.rank, self.world)
+            else:
+                self._release(local)
+                out = []
+        else:
+            out = local_frames(payloads, local, self.mon.rank, self.world)
+        if gone and not final:
+            self._detach(f"rank(s) {', '.join(map(str, gone))} closed their monitor")
+        return out
+
+    def _exchange(self, full, fp, names, final) -> list:
+        buf, need = wire.encode(self.rank, final, full, fp, names, self.capacity)
+        payloads = self._gather(buf)
+        if any(p.truncated for p in payloads):
+            need = max(p.need for p in payloads)
+            self.capacity = 1 << max(need - 1, 1).bit_length()
+            buf, _ = wire.encode(self.rank, final, full, fp, names, self.capacity)
+            payloads = self._gather(buf)
+            if any(p.truncated for p in payloads):
+                raise wire.WireError("ranks disagree on the payload size")
+        return payloads
+
+    def _gather(self, buf: np.ndarray) -> list:
+        dist = self._dist
+        inp = torch.from_numpy(buf).to(self.device)
+        out = torch.empty(self.world * buf.size, dtype=torch.uint8, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, inp, group=self.group, async_op=True)
+        work.wait(timeout=self.timeout)
+        self.collectives += 1
+        rows = out.cpu().numpy().reshape(self.world, buf.size)   # off the hot path: waits
+        payloads = [wire.decode(rows[r]) for r in range(self.world)]
+        if [p.rank for p in payloads] != list(range(self.world)):
+            raise wire.WireError("payloads arrived out of rank order")
+        return payloads
+
+    # -- after the collective ------------------------------------------------------------------
+    def _release(self, local: list) -> None:
+        """Frames this rank does not process itself still free their capture snapshots."""
+        cap = getattr(self.mon, "capture", None)
+        if cap is not None:
+            for lf in local:
+                cap.on_frame(lf.frame, [])
+
+    def _fallback(self, frames: list) -> list:
+        return local_frames([], [self._local_frame(-1, f) for f in frames], self.mon.rank,
+                            self.world)
+
+    def _detach(self, why: str) -> None:
+        if not self.detached:
+            self.detached = True
+            self._entry_end.clear()
+            log.warning("stabilitywatch: rank %d: %s; from now on this rank reads and writes "
+                        "its own statistics and alerts (per-rank files), without collectives",
+                        self.rank, why)
+
+    def detectors(self) -> list:
+        from ..detectors.divergence import DivergenceDetector
+        return [DivergenceDetector()] if self.compare else []
+
+    def sink_config(self, config):
+        if self.mode is DistMode.RANK0 and self.rank != 0:
+            return config.replace(sinks=tuple(s for s in config.sinks if s in LAZY_SINKS))
+        return config
+
+    def record_fields(self, frame) -> dict:
+        # merged: the row combines every rank's (rank0 mode); false: this rank's own rows
+        return {"merged": bool(getattr(frame, "merged", False))}
+
+    def annotate(self, frame, alerts: list) -> list:
+        """Non-finite alerts name the rank(s) whose rows hold the values."""
+        bad = getattr(frame, "bad_ranks", None)
+        if not bad or not alerts:
+            return alerts
+        import dataclasses
+        out = []
+        for a in alerts:
+            i = frame.index(a.module, a.tensor) if a.detector == "nonfinite" else None
+            ranks = bad.get(i) if i is not None else None
+            if ranks:
+                where = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+                a = dataclasses.replace(
+                    a, rank=ranks[0], extra={**a.extra, "ranks": ranks},
+                    message=f"{a.message} [{where} of {self.world}]")
+            out.append(a)
+        return out
+
+    def close(self) -> None:
+        if self.group is not None and not self.detached:
+            try:
+                self._dist.destroy_process_group(self.group)
+            except Exception:
+                pass
+        self.group = None
+
+
+def make_coordinator(monitor: Any) -> Coordinator:
+    rank, world = dist_info()
+    cfg = monitor.config
+    if world <= 1 or (cfg.dist_mode is DistMode.PER_RANK and not cfg.dist_divergence):
+        return Coordinator(monitor)
+    return DistCoordinator(monitor)

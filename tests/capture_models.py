@@ -1,0 +1,71 @@
+"""A tiny model and step functions for capture/replay tests, importable as
+"capture_models:build" (pytest puts tests/ on sys.path; subprocess tests add it to PYTHONPATH).
+
+fc2's output overflows fp16 (max 65504) when its weights are scaled up; the LayerNorm after it
+runs in fp32 under autocast, so computing fc2 in fp32 removes every non-finite value."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.ln = nn.LayerNorm(32)
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc3(self.ln(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def build() -> Tiny:
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def step_fp16(model: nn.Module, batch: dict) -> torch.Tensor:
+    with torch.autocast(device_type=batch["x"].device.type, dtype=torch.float16):
+        out = model(batch["x"])
+    return (out.float() - batch["y"]).square().mean()
+
+
+def step_perturbed(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Not the recorded computation: a replay with it must not reproduce."""
+    return step_fp16(model, {**batch, "x": batch["x"] * (1 + 2 ** -10)})
+
+
+def batches(n: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(16, 8, generator=g), "y": torch.randn(16, 4, generator=g),
+             "meta": {"ids": torch.arange(16), "note": "synthetic", "scale": 1.5}}
+            for _ in range(n)]
+
+
+def train(run_dir, steps: int = 6, fault_step: int = 3, config=None, fault: float = 1e5,
+          model_factory: str = "capture_models:build", step_fn: str = "capture_models:step_fp16",
+          before_step=None):
+    """Train with the monitor; at fault_step scale fc2's weights by `fault` (stays scaled)."""
+    import stabilitywatch as sw
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = config or sw.Config(every=1, sinks=("jsonl",))
+    with sw.watch(model, opt, config=config, run_dir=run_dir, model_factory=model_factory,
+                  step_fn=step_fn) as mon:
+        for step, batch in enumerate(batches(steps)):
+            if step == fault_step:
+                with torch.no_grad():
+                    model.fc2.weight.mul_(fault)
+            if before_step is not None:
+                before_step(step, model, opt, batch)
+            with mon.step(step, batch=batch):
+                loss = step_fp16(model, batch)
+                loss.backward()
+                mon.observe_loss(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return mon, model, opt

@@ -1,0 +1,71 @@
+"""The zoo: each scenario's instability is named by the right detector, in the right step window,
+with the right module and role, and nothing else is loud (warning or critical).
+`python tests/zoo/table.py` prints the README table (fault step, first alert, lead time)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import scenarios  # noqa: E402
+
+FAULTS = ["fp16_overflow", "nan_gradient", "e4m3_outlier_growth", "e5m2_grad_underflow",
+          "lr_spike", "shadow_bf16_accumulation", "attention_logit_growth"]
+
+
+def key(a):
+    return (a.detector, a.module, a.tensor)
+
+
+def describe(alerts):
+    return "\n".join(a.line()[:200] for a in alerts)
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_fault_is_named_first_and_alone(name, tmp_path):
+    run = getattr(scenarios, name)(tmp_path)
+    loud = run.loud
+    assert loud, f"{name}: no warning or critical alert\n{describe(run.alerts)}"
+    first = loud[0]
+    assert key(first) == run.expect, f"{name}: first loud alert\n{describe(loud)}"
+    lo, hi = run.window
+    assert lo <= first.step <= hi, f"{name}: first loud alert at {first.step}, not in {run.window}"
+    assert all(a.step >= run.fault_step for a in loud), describe(loud)
+    others = [a for a in loud if key(a) not in run.allowed]
+    assert not others, f"{name}: other loud alerts\n{describe(others)}"
+
+
+def test_e4m3_forecast_comes_before_saturation(tmp_path):
+    run = scenarios.e4m3_outlier_growth(tmp_path)
+    first = run.loud[0]
+    assert first.stat == "e4m3_steps_to_overflow" and run.event_step is not None
+    assert first.step < run.event_step                 # warned before the first overflow
+    # the forecast's predicted step lands near the real one (linear in log2 amax)
+    assert abs(first.extra["overflow_step"] - run.event_step) <= 5
+
+
+def test_lr_spike_gradient_norm_before_loss(tmp_path):
+    run = scenarios.lr_spike(tmp_path)
+    grad = [a.step for a in run.loud if a.tensor == "grad_norm"]
+    assert grad and run.event_step is not None and grad[0] < run.event_step
+
+
+def test_attention_logits_before_divergence(tmp_path):
+    run = scenarios.attention_logit_growth(tmp_path)
+    assert run.event_step is not None and run.loud[0].step < run.event_step
+
+
+def test_shadow_names_only_the_accumulating_module(tmp_path):
+    run = scenarios.shadow_bf16_accumulation(tmp_path)
+    assert {a.module for a in run.alerts if a.detector == "shadow"} == {"pool"}
+
+
+def test_clean_run_has_no_warning(tmp_path):
+    run = scenarios.clean_run(tmp_path)
+    assert len(run.losses) >= 500
+    assert run.loud == [], describe(run.loud)
+    assert run.losses[-1] < run.losses[0] / 2     # it did learn
+    # the run exercised every detector's inputs: shadows, logits, forecasts
+    import json
+    tensors = {json.loads(line)["tensor"] for line in open(tmp_path / "stats.jsonl")}
+    assert {"shadow", "attn_logits", "logz", "grad_norm", "loss"} <= tensors
