@@ -21,6 +21,7 @@ from .config import Config, Role
 from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
+from .distributed.coordinator import dist_info
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
@@ -35,16 +36,6 @@ from .stats.layout import Stat
 from .stats.reference import is_supported
 
 log = logging.getLogger("stabilitywatch")
-
-
-def _dist_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    return 0, 1
 
 
 class Monitor:
@@ -69,7 +60,7 @@ class Monitor:
                                  f"'package.module:function', got {path!r}")
         self.model, self.optimizer, self.config = model, optimizer, config
         self.model_factory, self.step_fn = model_factory, step_fn
-        rank, world = _dist_rank()
+        rank, world = dist_info()
         self.rank = config.rank if config.rank is not None else rank
         self.world_size = world
         if run_dir is None:
@@ -105,7 +96,9 @@ class Monitor:
             self.taps.attach()
             self.extras.attach()
         except Exception:
+            detach_observers(self.observers)
             self.taps.detach()
+            self.extras.detach()
             self.sinks.close()
             raise
 

@@ -20,7 +20,8 @@ def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> lis
                 sinks.append(JsonlSink(run_dir, rank=rank, world_size=world_size))
             elif name == "console":
                 from .console import ConsoleSink
-                sinks.append(ConsoleSink())
+                # info alerts (drift change points) go to files and dashboards, not the log
+                sinks.append(ConsoleSink(min_severity="warning"))
             elif name == "wandb":
                 from .wandb_sink import WandbSink
                 sinks.append(WandbSink(run_dir, project=config.wandb_project, rank=rank,

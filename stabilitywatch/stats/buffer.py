@@ -180,7 +180,7 @@ class StatsBuffer:
         rows = np.empty((len(p.touched), N_STATS), dtype=np.float64)
         scales = []
         for i, (_, _, slot) in enumerate(p.touched):
-            host = host_of[self.device_of[slot]].numpy()
+            host = host_of[self.device_of[slot]].numpy()  # sync-ok: host memory, copy done
             rows[i] = host[slot, :N_STATS]
             scales.append(float(host[slot, N_STATS]) if slot in self.tensor_scaled
                           else self.scales[slot])

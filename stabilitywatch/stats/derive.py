@@ -73,4 +73,4 @@ def tensor_stats(t: torch.Tensor, scale: float = 1.0) -> dict[str, float]:
 
     row = compute_row(t, scale)
     assert row.shape == (N_STATS,)
-    return derive(row.cpu().numpy(), float(scale))
+    return derive(row.cpu().numpy(), float(scale))  # sync-ok: tensor_stats is synchronous

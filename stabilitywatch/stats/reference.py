@@ -2,7 +2,7 @@
 
 It does the same arithmetic as the Triton kernel (values upcast to float32, y = x * scale in
 float32, float64 sums), so counts and min/max agree exactly and sums to rounding. It never
-syncs with the host: no .item(), no boolean-mask indexing, histogram by scatter_add.
+syncs with the host: no item()/tolist(), no boolean-mask indexing, histogram by scatter_add.
 """
 from __future__ import annotations
 
