@@ -25,7 +25,8 @@ from .distributed.coordinator import dist_info
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
-from .hooks.taps import Taps
+from .hooks.taps import Taps, _eager
+from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
@@ -88,7 +89,8 @@ class Monitor:
         self._write_manifest()
         self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
                                            self.world_size), queue_size=config.queue_size)
-        self.taps = Taps(self.modules, optimizer, self._record, self._is_on)
+        self._record_eager = _eager(self._record)
+        self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced)
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -216,6 +218,18 @@ class Monitor:
         self.buffer.add(t, module, role, phase,
                         scale=self.config.scale_for(role) if scale is None else scale,
                         overwrite=overwrite)
+
+    def _record_traced(self, t: torch.Tensor, module: str, role: str, phase: int) -> None:
+        """The record path traced by torch.compile: a custom-op call on the step's rows. A slot
+        seen for the first time is made by the eager path (one graph break, then a recompile
+        finds it)."""
+        self.buffer._untracked = True  # runs at trace time: from now on every row is read
+        target = self.buffer.traced_target(module, role, t.device)
+        if target is None or not is_supported(t) or self._step is None:
+            self._record_eager(t, module, role, phase, False)
+            return
+        rows, slot, scale = target
+        torch.ops.stabilitywatch.accumulate_row(rows, slot, t, scale, self.config.backend.value)
 
     def _safe_record(self, t, module, role, phase, overwrite) -> None:
         try:

@@ -1,6 +1,5 @@
-"""A torch.compile'd model watched by the monitor trains and logs the same statistics as eager.
-The hooks run eagerly (dynamo breaks the graph around them); a graph without those breaks needs
-the custom-op path of issue 3."""
+"""A torch.compile'd model watched by the monitor: its hooks are traced into the graph as
+custom-op calls (no graph break once the rows exist), and it logs the same statistics as eager."""
 import json
 
 import pytest
@@ -45,3 +44,36 @@ def test_compiled_model_logs_same_statistics_as_eager(tmp_path):
         for k in ("numel", "nan", "zeros", "e4m3_overflow"):
             assert a[k] == b[k], (key, k)
         assert b["absmax"] == pytest.approx(a["absmax"], rel=1e-5), key
+
+
+def test_no_graph_breaks_from_the_monitor(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    with sw.watch(model, config=sw.Config(every=1, sinks=("jsonl",)), run_dir=tmp_path) as mon:
+        with mon.step(0):
+            model(x).sum().backward()  # the first sight of each row is eager: it makes the slot
+        with mon.step(1):
+            explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_compiled_model_follows_the_schedule(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    fwd = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 16)
+    cfg = sw.Config(every=3, warmup=0, sinks=("jsonl",))
+    with sw.watch(model, config=cfg, run_dir=tmp_path) as mon:
+        for step in range(7):
+            with mon.step(step):
+                loss = fwd(x).square().mean()
+                loss.backward()
+                mon.observe_loss(loss)
+    recs = [json.loads(line) for line in open(tmp_path / "stats.jsonl")]
+    out_steps = sorted({r["step"] for r in recs if r["tensor"] in ("output", "grad_output")})
+    assert out_steps == [0, 3, 6]
+    assert sorted({r["step"] for r in recs if r["tensor"] == "loss"}) == list(range(7))

@@ -28,6 +28,11 @@ def _eager(fn):
     return disable(fn) if disable is not None else fn
 
 
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn and fn())
+
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -43,11 +48,13 @@ def param_role(pname: str, kind: str) -> str:
 
 class Taps:
     def __init__(self, modules: list[tuple[str, nn.Module]], optimizer: Optional[torch.optim.Optimizer],
-                 record: Record, is_on: IsOn):
+                 record: Record, is_on: IsOn, traced: Optional[Callable] = None):
         self.modules = modules
         self.optimizer = optimizer
         self.record = record
         self.is_on = is_on
+        # traced(tensor, module, role, phase): the path taken while torch.compile traces a hook
+        self.traced = traced
         self.handles: list = []
         self._failed: set[str] = set()
         # parameters of the watched modules, each once (shared/tied weights keep their first owner)
@@ -105,7 +112,7 @@ class Taps:
                         param_role(pname, "weight"), Phase.WEIGHT, False)
 
     def _forward_hook(self, name: str):
-        def hook(mod, args, output):
+        def eager(mod, args, output):
             want_out, want_in = self.is_on(Role.OUTPUT), self.is_on(Role.INPUT)
             want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
             if not (want_out or want_in or want_grad):
@@ -113,7 +120,31 @@ class Taps:
             self._guard(f"forward hook of {name!r}", self._on_forward, name, args, output,
                         want_out, want_in, want_grad)
             return None
-        return _eager(hook)
+        eager = _eager(eager)
+
+        def hook(mod, args, output):
+            if self.traced is not None and _compiling() and not self.is_on(Role.INPUT):
+                return self._traced_forward(name, output)
+            return eager(mod, args, output)
+        return hook
+
+    def _traced_forward(self, name: str, output) -> None:
+        """Inside torch.compile: records become custom-op calls in the graph (no break)."""
+        want_out = self.is_on(Role.OUTPUT)
+        want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
+        for suffix, t in float_tensors(output):
+            if want_out:
+                self.traced(t.detach(), name, "output" + suffix, Phase.FORWARD)
+            if want_grad and t.requires_grad:
+                t.register_hook(self._traced_grad_hook(name, "grad_output" + suffix))
+        return None
+
+    def _traced_grad_hook(self, name: str, role: str):
+        def hook(grad):
+            if grad is not None:
+                self.traced(grad.detach(), name, role, Phase.BACKWARD)
+            return None
+        return hook
 
     def _on_forward(self, name, args, output, want_out, want_in, want_grad) -> None:
         if want_in:

@@ -19,6 +19,9 @@ from .derive import derive
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
 
 
+_UNSEEN = 1 << 30  # sequence number of rows written by compiled code (order unknown)
+
+
 class Phase:
     """Execution order of roles inside a step, for 'where did it first appear'."""
     BATCH = 0
@@ -95,10 +98,13 @@ class StatsBuffer:
         self.scales: list[float] = []
         self.slot_of: dict[tuple[str, str], int] = {}
         self.device_of: list[Optional[torch.device]] = []
+        self.phase_of: list[int] = []
         self.tensor_scaled: set[int] = set()
         self._capacity = capacity
         self._dev: dict[torch.device, _DeviceRows] = {}
         self._touched: dict[int, tuple[int, int]] = {}
+        # set when compiled code may have written rows the host did not see (see traced_target)
+        self._untracked = False
         self._pending: list[_Pending] = []
         self._step: Optional[int] = None
 
@@ -115,7 +121,7 @@ class StatsBuffer:
         key = (module, role)
         slot = self.slot_of.get(key)
         if slot is None:
-            slot = self._new_slot(key, scale)
+            slot = self._new_slot(key, scale, phase)
         if isinstance(scale, torch.Tensor):  # the value is known on the device only
             self.tensor_scaled.add(slot)
         dev = self._rows_on(t.device)
@@ -133,10 +139,15 @@ class StatsBuffer:
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
-        if self._step is None or not self._touched:
+        if self._step is None or not (self._touched or self._untracked):
             self._step = None
             return
         touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
+        if self._untracked:  # compiled code writes rows without host bookkeeping: read them all
+            seen = {slot for _, _, slot in touched}
+            touched += [(self.phase_of[s], _UNSEEN, s) for s in range(len(self.keys))
+                        if s not in seen and self.device_of[s] is not None]
+            touched.sort()
         copies = []
         for dev in self._dev.values():
             host = dev.host_buffer()
@@ -176,23 +187,36 @@ class StatsBuffer:
         return frames
 
     def _frame(self, p: _Pending, rank: int, world_size: int) -> StatsFrame:
-        host_of = {dev.device: host for dev, host, _ in p.copies}
-        rows = np.empty((len(p.touched), N_STATS), dtype=np.float64)
-        scales = []
-        for i, (_, _, slot) in enumerate(p.touched):
-            host = host_of[self.device_of[slot]].numpy()  # sync-ok: host memory, copy done
-            rows[i] = host[slot, :N_STATS]
+        host_of = {dev.device: host.numpy() for dev, host, _ in p.copies}  # sync-ok: copy done
+        keep, rows, scales = [], [], []
+        for ph, seq, slot in p.touched:
+            host = host_of[self.device_of[slot]]
+            if seq == _UNSEEN and host[slot, 0] == 0:  # a slot compiled code did not write
+                continue
+            keep.append((ph, slot))
+            rows.append(host[slot, :N_STATS])
             scales.append(float(host[slot, N_STATS]) if slot in self.tensor_scaled
                           else self.scales[slot])
         for dev, host, _ in p.copies:
             if host.shape[0] == dev.rows.shape[0]:
                 dev.pinned_pool.append(host)
-        return StatsFrame(step=p.step, keys=[self.keys[s] for _, _, s in p.touched], rows=rows,
-                          scales=scales,
-                          phases=[ph for ph, _, _ in p.touched], rank=rank, world_size=world_size)
+        table = np.array(rows, dtype=np.float64).reshape(len(rows), N_STATS)
+        return StatsFrame(step=p.step, keys=[self.keys[s] for _, s in keep], rows=table,
+                          scales=scales, phases=[ph for ph, _ in keep], rank=rank,
+                          world_size=world_size)
 
-    def _new_slot(self, key: tuple[str, str], scale: float) -> int:
+    def traced_target(self, module: str, role: str, device: torch.device):
+        """(rows, slot, scale) for a record made from compiled code, or None when the slot or
+        the device's rows do not exist yet (the eager path then creates them)."""
+        slot = self.slot_of.get((module, role))
+        dev = self._dev.get(device)
+        if slot is None or dev is None or self.device_of[slot] != device:
+            return None
+        return dev.rows, slot, self.scales[slot]
+
+    def _new_slot(self, key: tuple[str, str], scale: float, phase: int = 0) -> int:
         slot = len(self.keys)
+        self.phase_of.append(phase)
         self.keys.append(key)
         self.scales.append(1.0 if isinstance(scale, torch.Tensor) else float(scale))
         self.device_of.append(None)
