@@ -14,8 +14,9 @@ from stabilitywatch.stats.layout import init_row_tensor
 
 
 def main() -> None:
-    for fast in (True, False):
-        x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    for fast, dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32),
+                        (True, torch.float16), (True, torch.float8_e4m3fn)):
+        x = torch.randn(1 << 20, device="cuda").to(dtype)
         row = init_row_tensor("cuda")
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -28,11 +29,11 @@ def main() -> None:
             stats_triton.launch_row_stats(x, row, 1.0, {"fast": fast})
         host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        print(f"fast={fast}: first launch allocated {peak / 2**20:.1f} MiB; host {host:.1f} us/launch")
+        print(f"fast={fast} {dtype}: first launch allocated {peak / 2**20:.1f} MiB; host {host:.1f} us/launch")
     from stabilitywatch.kernels.stats_fast import _fast_stats_kernel
     for name, k in (("fast", _fast_stats_kernel), ("general", stats_triton._row_stats_kernel)):
         for dev_cache in k.device_caches.values():
-            for key, ck in list(dev_cache[0].items())[:2]:
+            for key, ck in list(dev_cache[0].items()):
                 md = ck.metadata
                 print(name, {a: getattr(md, a, None) for a in ("num_warps", "shared",
                       "global_scratch_size", "global_scratch_align", "profile_scratch_size")},
