@@ -10,13 +10,12 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import stabilitywatch as sw
 from stabilitywatch.distributed.merge import KIND_NAMES
 from stabilitywatch.kernels.dispatch import compute_row
-from stabilitywatch.stats.layout import MERGE_OF, N_STATS, Merge, Stat
+from stabilitywatch.stats.layout import N_STATS, Stat
 
 QUIET = dict(sinks=("jsonl",), every=1, warmup=0)
 

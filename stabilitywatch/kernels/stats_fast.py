@@ -60,7 +60,6 @@ def _fast_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
         scale = scale_val
     lanes = tl.arange(0, BLOCK)
     bins = tl.arange(0, HBINS)
-    win = tl.arange(0, 32)
     zi = tl.zeros([BLOCK], dtype=tl.int32)
     c_nan = zi
     c_pinf = zi

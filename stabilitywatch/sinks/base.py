@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import queue
-import threading
 from typing import Any
 
 from ..alert import Alert

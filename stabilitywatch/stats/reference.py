@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FORMATS, ROW_FORMATS
-from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, ROW_DTYPE, Stat, init_row_tensor
+from .layout import HIST_BINS, HIST_EMIN, ROW_DTYPE, init_row_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
                     torch.float8_e5m2, torch.float64)
@@ -41,32 +41,29 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     nonzero = finite & (a != 0)
     y = (x * s).abs()
 
-    def count(mask: torch.Tensor) -> torch.Tensor:
-        return mask.sum(dtype=torch.int64).to(ROW_DTYPE)
-
-    xf = torch.where(finite, x, torch.zeros_like(x))
-    vals = [None] * N_STATS
-    vals[Stat.NUMEL] = torch.full((), float(x.numel()), dtype=ROW_DTYPE, device=x.device)
-    vals[Stat.NAN] = count(nan)
-    vals[Stat.POSINF] = count(posinf)
-    vals[Stat.NEGINF] = count(neginf)
-    vals[Stat.ZEROS] = count(finite & (a == 0))
-    vals[Stat.MIN] = torch.where(finite, x, inf).min().to(ROW_DTYPE)
-    vals[Stat.MAX] = torch.where(finite, x, -inf).max().to(ROW_DTYPE)
-    vals[Stat.ABSMAX] = torch.where(finite, a, -inf).max().to(ROW_DTYPE)
-    vals[Stat.ABSMIN_NZ] = torch.where(nonzero, a, inf).min().to(ROW_DTYPE)
-    x64 = xf.to(torch.float64)
-    vals[Stat.SUM] = x64.sum()
-    vals[Stat.SUMSQ] = (x64 * x64).sum()
+    # every count in one reduction: masks stacked as columns (per-call overhead dominates small
+    # tensors on the CPU, so fewer, wider calls)
+    masks = [nan, posinf, neginf, finite & (a == 0)]
     for fmt in ROW_FORMATS:
         f = FORMATS[fmt]
-        base = FMT_BASE[fmt]
         half_sub = f.underflow_threshold
-        vals[base + 0] = count(finite & (y > f.max))
-        vals[base + 1] = count(nonzero & (y <= half_sub))
-        vals[base + 2] = count(finite & (y > half_sub) & (y < f.subnormal_limit))
-    vals[Stat.BITS_LO], vals[Stat.BITS_HI] = _fingerprint(x)
-    head = torch.stack(vals[: Stat.HIST])
+        masks += [finite & (y > f.max), nonzero & (y <= half_sub),
+                  finite & (y > half_sub) & (y < f.subnormal_limit)]
+    counts = torch.stack(masks, 1).sum(0, dtype=torch.int64).to(ROW_DTYPE)
+
+    xf = torch.where(finite, x, 0.0).to(torch.float64)
+    mn = torch.where(finite, x, inf).min()
+    mx = torch.where(finite, x, -inf).max()
+    extrema = torch.stack([mn, mx, torch.maximum(-mn, mx),  # absmax: -inf when nothing is finite
+                           torch.where(nonzero, a, inf).min()]).to(ROW_DTYPE)
+    head = torch.cat([
+        torch.full((1,), float(x.numel()), dtype=ROW_DTYPE, device=x.device),  # NUMEL
+        counts[:4],                                   # NAN, POSINF, NEGINF, ZEROS
+        extrema,                                      # MIN, MAX, ABSMAX, ABSMIN_NZ
+        torch.stack([xf.sum(), torch.dot(xf, xf)]),   # SUM, SUMSQ
+        counts[4:],                                   # format counts
+        _fingerprint(x),                              # BITS_LO, BITS_HI
+    ])
 
     # floor(log2 |x|) exactly: frexp gives |x| = m * 2**e with m in [0.5, 1).
     _, e = torch.frexp(torch.where(nonzero, a, torch.ones_like(a)))
@@ -76,7 +73,7 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     return torch.cat([head, hist])
 
 
-def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Sums of the low and high 16 bits of each value's bit pattern (float32; float64 folded to
     32 bits), NaN canonicalised. Integer sums: exact and independent of summation order, so
     replicas holding the same tensor agree bit for bit and one flipped bit shows."""
@@ -86,6 +83,4 @@ def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     bits = torch.where(x.isnan(), 0x7FC00000, bits)
-    lo = (bits & 0xFFFF).sum().to(ROW_DTYPE)
-    hi = ((bits >> 16) & 0xFFFF).sum().to(ROW_DTYPE)
-    return lo, hi
+    return torch.stack([(bits & 0xFFFF).sum(), ((bits >> 16) & 0xFFFF).sum()]).to(ROW_DTYPE)
