@@ -22,3 +22,9 @@ def test_bench_demo_overhead_smoke(capsys):
     import bench_demo_overhead
     assert bench_demo_overhead.main(["--smoke"]) == 0
     assert "| no monitor |" in capsys.readouterr().out
+
+
+def test_bench_frame_smoke(capsys):
+    import bench_frame
+    assert bench_frame.main(["--smoke"]) == 0
+    assert "| rows per frame |" in capsys.readouterr().out

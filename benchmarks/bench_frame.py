@@ -1,0 +1,56 @@
+"""Host time to process one step's frame (derived values, detectors, records for the sinks) for
+the row set of a GPT-2-small-shaped model (76 watched modules x 8 roles = 608 rows), without
+running the model: this work runs in the training thread at the end of sampled steps.
+
+    python benchmarks/bench_frame.py [--frames 30] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import stabilitywatch as sw
+from stabilitywatch.demo import TinyGPT
+from stabilitywatch.kernels.dispatch import compute_row
+from stabilitywatch.stats.buffer import Phase, StatsFrame
+
+ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
+         "optim.exp_avg_sq"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--frames", type=int, default=30)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    dims = (256, 64, 2, 4, 32) if a.smoke else (50304, 768, 12, 12, 1024)
+    frames = 3 if a.smoke else a.frames
+    model = TinyGPT(*dims)  # never run: only its module names matter
+    rng = np.random.default_rng(0)
+    row = compute_row(torch.randn(4096)).numpy()
+    with tempfile.TemporaryDirectory() as tmp:
+        mon = sw.watch(model, config=sw.Config(sinks=("jsonl",)), run_dir=tmp)
+        keys = [(n, r) for n, _ in mon.modules for r in ROLES]
+        times = []
+        for i in range(frames):
+            rows = np.tile(row, (len(keys), 1)) * (1 + 0.01 * rng.random((len(keys), 1)))
+            frame = StatsFrame(step=10 * i, keys=keys, rows=rows, scales=[1.0] * len(keys),
+                               phases=[Phase.FORWARD] * len(keys))
+            t0 = time.perf_counter()
+            mon._handle(frame)
+            times.append((time.perf_counter() - t0) * 1e3)
+        mon.close()
+    steady = times[len(times) // 2:]  # once the detectors' windows are full
+    print(f"| rows per frame | frames | ms per frame (median, second half) |\n|---:|---:|---:|\n"
+          f"| {len(keys)} | {frames} | {statistics.median(steady):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
