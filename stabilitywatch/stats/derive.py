@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -20,42 +21,73 @@ def finite_count(row: np.ndarray) -> float:
 def derive(row: np.ndarray, scale: float = 1.0) -> dict[str, float]:
     """Named values of one row. Value statistics cover finite values only and are NaN when there
     are none; std is the population standard deviation (ddof=0)."""
-    row = np.asarray(row, dtype=np.float64)
-    out = {k: float(row[i]) for k, i in COUNT_KEYS.items()}
-    n = finite_count(row)
-    nan = math.nan
+    return dict(derive_many(np.asarray(row, dtype=np.float64).reshape(1, N_STATS), [scale])[0])
+
+
+def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
+    """derive() for every row of a frame at once: the arithmetic runs on columns (numpy), only
+    the final dicts are built per row (this runs in the training thread for every frame)."""
+    rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_STATS)
+    scale = np.asarray(scales, dtype=np.float64).reshape(-1)
+    nan = np.nan
+    cols: dict[str, np.ndarray] = {k: rows[:, i] for k, i in COUNT_KEYS.items()}
+    n = rows[:, Stat.NUMEL] - rows[:, Stat.NAN] - rows[:, Stat.POSINF] - rows[:, Stat.NEGINF]
     has = n > 0
-    out["finite"] = n
-    out["min"] = float(row[Stat.MIN]) if has else nan
-    out["max"] = float(row[Stat.MAX]) if has else nan
-    absmax = float(row[Stat.ABSMAX]) if has else nan
-    out["absmax"] = absmax
-    nz = float(row[Stat.ABSMIN_NZ])
-    out["absmin_nonzero"] = nz if math.isfinite(nz) else nan
-    out["sum"] = float(row[Stat.SUM])
-    mean = float(row[Stat.SUM]) / n if has else nan
-    out["mean"] = mean
-    ms = float(row[Stat.SUMSQ]) / n if has else nan
-    out["std"] = math.sqrt(max(ms - mean * mean, 0.0)) if has else nan
-    out["rms"] = math.sqrt(ms) if has else nan
-    out["l2norm"] = math.sqrt(float(row[Stat.SUMSQ]))
-    nonzero = n - float(row[Stat.ZEROS])
-    for fmt in ROW_FORMATS:
-        base, name = FMT_BASE[fmt], fmt.value
-        over, under, sub = (float(row[base + k]) for k in range(3))
-        out[f"{name}_overflow"] = over
-        out[f"{name}_underflow"] = under
-        out[f"{name}_subnormal"] = sub
-        out[f"{name}_overflow_frac"] = over / n if has else 0.0
-        out[f"{name}_underflow_frac"] = under / nonzero if nonzero > 0 else 0.0
+    safe_n = np.where(has, n, 1.0)
+    with np.errstate(all="ignore"):
+        cols["finite"] = n
+        cols["min"] = np.where(has, rows[:, Stat.MIN], nan)
+        cols["max"] = np.where(has, rows[:, Stat.MAX], nan)
+        absmax = np.where(has, rows[:, Stat.ABSMAX], nan)
+        cols["absmax"] = absmax
+        nz = rows[:, Stat.ABSMIN_NZ]
+        cols["absmin_nonzero"] = np.where(np.isfinite(nz), nz, nan)
+        cols["sum"] = rows[:, Stat.SUM]
+        mean = np.where(has, rows[:, Stat.SUM] / safe_n, nan)
+        ms = np.where(has, rows[:, Stat.SUMSQ] / safe_n, nan)
+        cols["mean"] = mean
+        cols["std"] = np.where(has, np.sqrt(np.maximum(ms - mean * mean, 0.0)), nan)
+        cols["rms"] = np.where(has, np.sqrt(ms), nan)
+        cols["l2norm"] = np.sqrt(rows[:, Stat.SUMSQ])
+        nonzero = n - rows[:, Stat.ZEROS]
         amax_s = absmax * scale
-        out[f"{name}_headroom_bits"] = (math.log2(FORMATS[fmt].max) - math.log2(amax_s)
-                                        if has and amax_s > 0 else nan)
-    if has and absmax > 0 and math.isfinite(nz):
-        out["dynamic_range_bits"] = math.log2(absmax) - math.log2(nz)
-    else:
-        out["dynamic_range_bits"] = nan
-    return out
+        for fmt in ROW_FORMATS:
+            base, name = FMT_BASE[fmt], fmt.value
+            over, under = rows[:, base], rows[:, base + 1]
+            cols[f"{name}_overflow"] = over
+            cols[f"{name}_underflow"] = under
+            cols[f"{name}_subnormal"] = rows[:, base + 2]
+            cols[f"{name}_overflow_frac"] = np.where(has, over / safe_n, 0.0)
+            cols[f"{name}_underflow_frac"] = np.where(nonzero > 0, under / np.where(
+                nonzero > 0, nonzero, 1.0), 0.0)
+            cols[f"{name}_headroom_bits"] = np.where(
+                has & (amax_s > 0), math.log2(FORMATS[fmt].max) - np.log2(amax_s), nan)
+        cols["dynamic_range_bits"] = np.where(has & (absmax > 0) & np.isfinite(nz),
+                                              np.log2(absmax) - np.log2(nz), nan)
+    table = {k: c.tolist() for k, c in cols.items()}
+    return [DerivedRow(table, i) for i in range(rows.shape[0])]
+
+
+class DerivedRow(Mapping):
+    """One row's named values, read from the frame's shared columns: building a dict per row was
+    most of the frame's host time; sinks iterate it later, on their own thread."""
+
+    __slots__ = ("_cols", "_i")
+
+    def __init__(self, cols: dict, i: int):
+        self._cols, self._i = cols, i
+
+    def __getitem__(self, key: str) -> float:
+        return self._cols[key][self._i]
+
+    def __iter__(self):
+        return iter(self._cols)
+
+    def __len__(self) -> int:
+        return len(self._cols)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 def histogram(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
