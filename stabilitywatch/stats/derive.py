@@ -64,7 +64,7 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
                 has & (amax_s > 0), math.log2(FORMATS[fmt].max) - np.log2(amax_s), nan)
         cols["dynamic_range_bits"] = np.where(has & (absmax > 0) & np.isfinite(nz),
                                               np.log2(absmax) - np.log2(nz), nan)
-    table = {k: c.tolist() for k, c in cols.items()}
+    table = {k: c.tolist() for k, c in cols.items()}  # sync-ok: host numpy arrays
     return [DerivedRow(table, i) for i in range(rows.shape[0])]
 
 
