@@ -63,8 +63,7 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
                       E5_MAX: tl.constexpr, E5_HS: tl.constexpr, E5_SL: tl.constexpr,
                       F16_MAX: tl.constexpr, F16_HS: tl.constexpr, F16_SL: tl.constexpr,
                       O_E4: tl.constexpr, O_E5: tl.constexpr, O_F16: tl.constexpr,
-                      O_HIST: tl.constexpr, DO_HIST: tl.constexpr = True,
-                      DO_FMT: tl.constexpr = True, ACC64: tl.constexpr = True):
+                      O_HIST: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_SCALE_PTR:
@@ -87,9 +86,8 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     f16o = zi
     f16u = zi
     f16s = zi
-    acc_t = tl.float64 if ACC64 else tl.float32
-    s1 = tl.zeros([BLOCK], dtype=acc_t)
-    s2 = tl.zeros([BLOCK], dtype=acc_t)
+    s1 = tl.zeros([BLOCK], dtype=tl.float64)
+    s2 = tl.zeros([BLOCK], dtype=tl.float64)
     mn = tl.full([BLOCK], float("inf"), tl.float32)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     amx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -125,33 +123,31 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
         c_zero += zero.to(tl.int32)
         c_nz += nz.to(tl.int32)
         xf = tl.where(fin, x, 0.0)
-        x64 = xf.to(acc_t)
+        x64 = xf.to(tl.float64)
         s1 += x64
         s2 += x64 * x64
         mn = tl.minimum(mn, tl.where(fin, x, float("inf")))
         mx = tl.maximum(mx, tl.where(fin, x, float("-inf")))
         amx = tl.maximum(amx, tl.where(fin, a, float("-inf")))
         amn = tl.minimum(amn, tl.where(nz, a, float("inf")))
-        if DO_FMT:
-            y = tl.abs(x * scale)
-            o, u, s = _fmt_counts(y, fin, nz, E4_MAX, E4_HS, E4_SL)
-            e4o += o
-            e4u += u
-            e4s += s
-            o, u, s = _fmt_counts(y, fin, nz, E5_MAX, E5_HS, E5_SL)
-            e5o += o
-            e5u += u
-            e5s += s
-            o, u, s = _fmt_counts(y, fin, nz, F16_MAX, F16_HS, F16_SL)
-            f16o += o
-            f16u += u
-            f16s += s
-        if DO_HIST:
-            # floor(log2|x|) from the float32 exponent field; float32 subnormals land in bin 0.
-            ex = ((tl.where(nz, a, 1.0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
-            b = tl.minimum(tl.maximum(ex - HEMIN, 0), HBINS - 1)
-            # lanes that are not nonzero-finite go to bin 0 and are taken back out below
-            hist += tl.histogram(tl.where(nz, b, 0), HBINS)
+        y = tl.abs(x * scale)
+        o, u, s = _fmt_counts(y, fin, nz, E4_MAX, E4_HS, E4_SL)
+        e4o += o
+        e4u += u
+        e4s += s
+        o, u, s = _fmt_counts(y, fin, nz, E5_MAX, E5_HS, E5_SL)
+        e5o += o
+        e5u += u
+        e5s += s
+        o, u, s = _fmt_counts(y, fin, nz, F16_MAX, F16_HS, F16_SL)
+        f16o += o
+        f16u += u
+        f16s += s
+        # floor(log2|x|) from the float32 exponent field; float32 subnormals land in bin 0.
+        ex = ((tl.where(nz, a, 1.0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        b = tl.minimum(tl.maximum(ex - HEMIN, 0), HBINS - 1)
+        # lanes that are not nonzero-finite go to bin 0 and are taken back out below
+        hist += tl.histogram(tl.where(nz, b, 0), HBINS)
 
     if pid == 0:
         tl.atomic_add(out_ptr + 0, n.to(tl.float64))
@@ -163,8 +159,8 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     tl.atomic_max(out_ptr + 6, tl.max(mx, 0).to(tl.float64))
     tl.atomic_max(out_ptr + 7, tl.max(amx, 0).to(tl.float64))
     tl.atomic_min(out_ptr + 8, tl.min(amn, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + 9, tl.sum(s1.to(tl.float64), 0))
-    tl.atomic_add(out_ptr + 10, tl.sum(s2.to(tl.float64), 0))
+    tl.atomic_add(out_ptr + 9, tl.sum(s1, 0))
+    tl.atomic_add(out_ptr + 10, tl.sum(s2, 0))
     tl.atomic_add(out_ptr + O_E4 + 0, tl.sum(e4o, 0).to(tl.float64))
     tl.atomic_add(out_ptr + O_E4 + 1, tl.sum(e4u, 0).to(tl.float64))
     tl.atomic_add(out_ptr + O_E4 + 2, tl.sum(e4s, 0).to(tl.float64))
@@ -219,7 +215,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)
     block, progs = _launch_shape(n, flat.device)
-    tune = dict(tune or {})  # benchmarks try variants: block, progs_per_sm, num_warps, DO_* flags
+    tune = dict(tune or {})  # benchmarks try variants: fast, block, progs_per_sm, num_warps, acc64
     if "block" in tune or "progs_per_sm" in tune:
         block = tune.pop("block", block)
         sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
