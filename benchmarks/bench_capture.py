@@ -1,19 +1,29 @@
-"""Cost of keeping start-of-step state for capture, on the demo model (CPU or CUDA).
+"""Cost of keeping start-of-step state for capture (CPU or CUDA), on the demo model or on the
+GPT-2-small-shaped model of bench_overhead.py.
 
-    python benchmarks/bench_capture.py [--device cpu|cuda] [--steps 40] [--repeats 5] [--takes 200]
+    python benchmarks/bench_capture.py [--device cpu|cuda] [--model demo|gpt2] [--steps N]
+                                       [--repeats 5] [--takes 200]
+
+--model: demo by default on the CPU, gpt2 on CUDA (12 layers, d 768, vocab 50304, seq 1024,
+batch 16, bf16 autocast, fused AdamW; bench_overhead's smoke shapes with --smoke or on the CPU).
 
 Measures, in one run:
 - one snapshot (`Snapshotter.take`: parameters, buffers and AdamW state copied into a ring slot,
   RNG states, batch reference): host time, and on CUDA the device time between two events;
-- memory held by the ring (capture_ring=2) next to the model's and optimizer's own;
+- memory held by the ring (capture_ring=2) next to the model's and optimizer's own; gpt2: also
+  next to the peak memory of a training step (CUDA), and each configuration's peak;
 - writing one bundle (safetensors + manifest + checksums, fsync'd);
 - demo ms/step with capture off / on, every step sampled (a snapshot every step) and with the
-  default cadence (every 10: a snapshot on 13 of 40 steps), interleaved, median of repeats.
+  default cadence (every 10: a snapshot on 13 of 40 steps), interleaved, median of repeats;
+  gpt2: the same configurations, mean ms/step over --steps (30) steps after bench_overhead's
+  warm-up steps (10), so that the default cadence snapshots on 3 of 30 steps (its steady state).
 Prints a markdown table last. No fault is injected (fault step past the end).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import sys
 import tempfile
@@ -28,19 +38,32 @@ from stabilitywatch.capture.snapshot import Snapshotter
 from stabilitywatch.capture.writer import write_bundle
 from stabilitywatch.demo import build_model, make_batch, run_demo, train_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import capture_gpt2  # noqa: E402
+
 
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def snapshot_cost(device: str, takes: int, target: SnapshotTarget) -> dict:
+def demo_setup(device: str) -> tuple:
     model = build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batch = make_batch(torch.Generator().manual_seed(1), device)
-    train_step(model, batch).backward()       # create the optimizer state, as in training
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    return model, opt, make_batch(torch.Generator().manual_seed(1), device), train_step
+
+
+def snapshot_cost(device: str, takes: int, target: SnapshotTarget, setup=demo_setup) -> dict:
+    """`setup(device)` -> (model, optimizer, batch, loss function); built here so that it is
+    freed before the step-time runs, whose peak memory is read."""
+    model, opt, batch, loss_fn = setup(device)
+    for _ in range(2):   # the first creates the optimizer state, the second is a plain step's peak
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     snap = Snapshotter(model, opt, ring=2, target=target)
     host, dev = [], []
     for i in range(takes + 5):
@@ -49,9 +72,12 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget) -> dict:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
         t0 = time.perf_counter()
-        snap.take(i, batch, seq=i)
+        slot = snap.take(i, batch, seq=i)
         t1 = time.perf_counter()
-        if device == "cuda":
+        if device == "cuda" and slot is not None and slot.ready is not None:
+            slot.ready.synchronize()   # a host ring is filled on a side stream: time it whole
+            dev.append((time.perf_counter() - t0) * 1e3)
+        elif device == "cuda":
             e1.record()
             e1.synchronize()
             dev.append(e0.elapsed_time(e1))
@@ -65,6 +91,8 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         slot = snap.slots[0]
         snap.take(0, batch, seq=0)
+        if slot.ready is not None:
+            slot.ready.synchronize()
         path = write_bundle(Path(tmp), "bench", {"kind": "bench"},
                             {"model": slot.model, "optimizer": slot.optim,
                              "batch": {k: v for k, v in batch.items()}, "rng": {}})
@@ -73,6 +101,8 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget) -> dict:
     return {"host_ms": statistics.median(host), "device_ms": statistics.median(dev) if dev else None,
             "ring_bytes": snap.nbytes, "param_bytes": state, "optim_bytes": optim,
             "write_ms": write_ms, "bundle_bytes": size,
+            "step_peak_bytes": step_peak, "slot_bytes": snap.slots[0].nbytes,
+            "slots": len(snap.slots),
             "on_host": any(not t.is_cuda for t in snap.slots[0].model.values())}
 
 
@@ -84,10 +114,16 @@ CONFIGS = {
 }
 
 
+def demo_run(device: str, steps: int, cfg: Config, out: str) -> tuple[float, None]:
+    return run_demo(out, device=device, steps=steps, fault_step=10**9, config=cfg).ms_per_step, None
+
+
 def main(argv=None) -> list:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--model", choices=["demo", "gpt2"], default=None,
+                   help="default: demo on the CPU, gpt2 on CUDA")
+    p.add_argument("--steps", type=int, default=None, help="default: 40 (demo), 30 (gpt2)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--takes", type=int, default=200)
     p.add_argument("--target", choices=[t.value for t in SnapshotTarget], default="auto")
@@ -95,16 +131,33 @@ def main(argv=None) -> list:
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.repeats, a.takes = 1, 1, 3
-    snap = snapshot_cost(a.device, a.takes, SnapshotTarget(a.target))
+    gpt2 = (a.model or ("gpt2" if a.device == "cuda" else "demo")) == "gpt2"
+    target = SnapshotTarget(a.target)
+    if gpt2:
+        s = capture_gpt2.shapes(a.smoke, a.device)
+        a.steps = a.steps or s["steps"]
+        snap = snapshot_cost(a.device, a.takes, target, capture_gpt2.setup(s))
+        run = functools.partial(capture_gpt2.run, s, a.device, a.steps)
+    else:
+        a.steps = a.steps or 40
+        snap = snapshot_cost(a.device, a.takes, target)
+        run = functools.partial(demo_run, a.device, a.steps)
     times: dict[str, list[float]] = {k: [] for k in CONFIGS}
+    peaks: dict[str, list] = {k: [] for k in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
-        run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
+        if not gpt2:   # capture_gpt2.run warms up inside each run
+            run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
         for r in range(a.repeats):   # interleaved, so that drift in machine load hits all alike
             for name, cfg in CONFIGS.items():
-                res = run_demo(f"{tmp}/{r}-{len(times[name])}", device=a.device, steps=a.steps,
-                               fault_step=10**9, config=cfg)
-                times[name].append(res.ms_per_step)
+                if cfg.capture:  # --target applies to the monitored runs too
+                    cfg = dataclasses.replace(cfg, capture_snapshot_to=target)
+                ms, peak = run(cfg, f"{tmp}/{r}-{len(times[name])}")
+                times[name].append(ms)
+                peaks[name].append(peak)
     mb = 1 / 2**20
+    if gpt2:
+        dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+        print(f"# bench_capture gpt2 on {dev}: {s}; {a.steps} timed steps after {s['warm']}")
     where = "cpu" if a.device == "cpu" else ("pinned host" if snap["on_host"] else "device")
     print(f"snapshot ({a.device}, target {a.target} -> {where} memory):"
           f" {snap['host_ms']:.3f} ms host" + (f", {snap['device_ms']:.3f} ms device"
@@ -112,17 +165,22 @@ def main(argv=None) -> list:
     print(f"ring allocated: {snap['ring_bytes'] * mb:.2f} MiB; parameters {snap['param_bytes'] * mb:.2f}"
           f" MiB, optimizer state {snap['optim_bytes'] * mb:.2f} MiB; one bundle "
           f"{snap['bundle_bytes'] * mb:.2f} MiB written in {snap['write_ms']:.1f} ms")
+    if gpt2:
+        print(capture_gpt2.ring_line(snap, a.device, where))
     print()
     print(f"| configuration ({a.device}, {a.steps} steps x {a.repeats}) | ms/step (median) | "
-          f"capture on / off |")
-    print("|---|---:|---:|")
+          f"capture on / off |" + (" peak MiB (max) |" if gpt2 else ""))
+    print("|---|---:|---:|" + ("---:|" if gpt2 else ""))
     names = list(CONFIGS)
     rows = []
     for i, name in enumerate(names):
         m = statistics.median(times[name])
         base = statistics.median(times[names[i - 1]]) if i % 2 else None
-        rows.append({"config": name, "ms": m, "ratio": m / base if base else None, **snap})
-        print(f"| {name} | {m:.1f} | {f'{m / base:.3f}x' if base else ''} |")
+        pk = max(peaks[name]) if peaks[name][0] is not None else None
+        rows.append({"config": name, "ms": m, "ratio": m / base if base else None,
+                     "peak_bytes": pk, **snap})
+        print(f"| {name} | {m:.1f} | {f'{m / base:.3f}x' if base else ''} |"
+              + (f" {pk * mb:.0f} |" if pk is not None else " n/a |" if gpt2 else ""))
     return rows
 
 

@@ -7,13 +7,14 @@ otherwise do, all in one run:
 
 Configurations: no monitor; the monitor's default config; full coverage every step (every
 Linear output and output gradient, weights, weight gradients); naive forward/backward hooks with
-ten eager reductions read with .item(); torch.autograd.detect_anomaly. The floor is the bytes
-full coverage reads once per step over the read bandwidth of a large torch.sum.
+ten eager reductions read with .item(); torch.autograd.detect_anomaly. ms/step is the mean over
+the timed window (one sync at its end, as in training), so the default config's sampled steps
+(every 10th) count at their full cost. The floor is the bytes full coverage reads once per step
+over the read bandwidth of a large torch.sum.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -55,12 +56,25 @@ def full_coverage() -> sw.Config:
                             sw.Role.LOSS))
 
 
-def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
+def build(s: dict, device: str) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """The benchmark model, its optimizer and the one batch every step reuses (also
+    bench_capture.py's gpt2 model)."""
     torch.manual_seed(0)
     model = TinyGPT(s["vocab"], s["dim"], s["layers"], s["heads"], s["seq"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device=device)
-    batch = {"idx": idx[:, :-1], "target": idx[:, 1:]}
+    return model, opt, {"idx": idx[:, :-1], "target": idx[:, 1:]}
+
+
+def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Forward under bf16 autocast and the loss in fp32."""
+    with torch.autocast(batch["idx"].device.type, dtype=torch.bfloat16):
+        logits = model(batch["idx"])
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["target"].reshape(-1))
+
+
+def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
+    model, opt, batch = build(s, device)
     mon, handles = None, []
     if kind == "default config":
         mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",)), run_dir=out)
@@ -71,30 +85,30 @@ def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    t0 = 0.0
     for step in range(s["warm"] + s["steps"]):
-        t0 = time.perf_counter()
+        if step == s["warm"]:  # time the window as a whole: sampled steps cost what they cost
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
         ctx = mon.step(step, batch=batch) if mon else _null()
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if kind == "detect_anomaly" else _null()
         with ctx, anomaly:
-            with torch.autocast(device, dtype=torch.bfloat16):
-                logits = model(batch["idx"])
-            loss = F.cross_entropy(logits.float().view(-1, s["vocab"]), batch["target"].reshape(-1))
+            loss = loss_fn(model, batch)
             loss.backward()
             if mon:
                 mon.observe_loss(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if step >= s["warm"]:
-            times.append((time.perf_counter() - t0) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    mean_ms = (time.perf_counter() - t0) * 1e3 / s["steps"]
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
     if mon:
         mon.close()
     for h in handles:
         h.remove()
-    return statistics.median(times), peak
+    return mean_ms, peak
 
 
 class _null:

@@ -83,14 +83,17 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "general kernel (v1)": {"fast": False},
-    "lean kernel, fp64 lanes (default)": {},
-    "lean, fp32 lanes": {"acc64": False},
-    "lean, b2048 w8": {"block": 2048, "num_warps": 8},
-    "lean, b2048 w8 fp32 lanes": {"block": 2048, "num_warps": 8, "acc64": False},
-    "lean, b512 w4": {"block": 512},
-    "lean, p16": {"progs_per_sm": 16},
-    "lean, p4": {"progs_per_sm": 4},
+    "general kernel only (v1)": {"kernel": "general"},
+    "tile kernel (v3, default)": {},
+    "tile, tl.histogram instead of warp ballots": {"ballot": False},
+    "tile, float32 sums within a tile": {"sum32": True},
+    "tile u1": {"u": 1},
+    "tile u2": {"u": 2},
+    "tile u4": {"u": 4},
+    "tile u1 w1 p32": {"u": 1, "num_warps": 1, "progs_per_sm": 32},
+    "tile without format counts": {"parts": 2},
+    "tile without histogram": {"parts": 1},
+    "tile without either": {"parts": 0},
 }
 
 

@@ -193,7 +193,7 @@ class Config:
     capture: "sampled" (steps that read more than the loss), "every", or "off"."""
     capture_snapshot_to: _capture_policy.SnapshotTarget = _capture_policy.SnapshotTarget.AUTO
     """Snapshot memory: "device" (a device copy: fast, costs device memory), "host" (pinned host
-    memory, a device-to-host copy), "auto" (device while the ring takes <= 1/8 of it, else host)."""
+    memory, a device-to-host copy), "auto" (device while the ring takes <= 1% of it, else host)."""
     capture_ring: int = 2
     """Snapshots held at once: a step's state is kept until its statistics are read (one step
     later on CUDA), so 2 suffice unless the GPU runs more than a step behind the host."""

@@ -9,15 +9,15 @@ import torch.nn as nn
 import stabilitywatch as sw
 
 
-def run(tmp_path, compiled: bool):
+def run(tmp_path, compiled: bool, device: str = "cpu", **compile_kw):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fwd = torch.compile(model, backend="aot_eager") if compiled else model
+    fwd = torch.compile(model, **(compile_kw or {"backend": "aot_eager"})) if compiled else model
     g = torch.Generator().manual_seed(1)
     with sw.watch(model, opt, config=sw.Config(every=1, sinks=("jsonl",)), run_dir=tmp_path) as mon:
         for step in range(3):
-            x = torch.randn(8, 16, generator=g)
+            x = torch.randn(8, 16, generator=g).to(device)
             with mon.step(step, batch=x):
                 loss = fwd(x).square().mean()
                 loss.backward()
@@ -31,8 +31,24 @@ def run(tmp_path, compiled: bool):
 
 def test_compiled_model_logs_same_statistics_as_eager(tmp_path):
     torch._dynamo.reset()
-    eager = run(tmp_path / "eager", compiled=False)
-    comp = run(tmp_path / "compiled", compiled=True)
+    same_as_eager(run(tmp_path / "eager", compiled=False), run(tmp_path / "compiled", compiled=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "cudagraphs"])
+def test_inductor_on_the_gpu_logs_same_statistics_as_eager(tmp_path, mode):
+    # inductor compiles the graph around the custom op; "reduce-overhead" also asks for CUDA
+    # graphs (counters say whether inductor captured or skipped them; the README reports it)
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    eager = run(tmp_path / "eager", compiled=False, device="cuda")
+    comp = run(tmp_path / "compiled", compiled=True, device="cuda", backend="inductor", mode=mode)
+    print("inductor counters:", dict(counters["inductor"]))
+    same_as_eager(eager, comp)
+
+
+def same_as_eager(eager: dict, comp: dict) -> None:
     assert eager.keys() == comp.keys()
     assert {(s, m, t) for s, m, t in comp if t in ("output", "grad_output")} == \
         {(s, m, t) for s in range(3) for m in ("0", "2") for t in ("output", "grad_output")}

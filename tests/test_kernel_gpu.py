@@ -115,3 +115,23 @@ def test_gpu_kernel_is_deterministic_except_last_bits_of_sums():
     rel = ((sums - sums[0]).abs() / rows[0, Stat.SUMSQ]).max().item()
     print(f"max relative spread of sums over 5 runs: {rel:.3g}")
     assert rel < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["normal", "nonfinite_one_block", "zero_blocks", "wide_block",
+                                  "all_above_thresholds", "all_nonfinite", "mixed", "narrow"])
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_gpu_tile_branches_match_reference(dname, kind):
+    # tiles that take each uniform branch of the tile kernel: NaN/Inf in a few tiles, all-zero
+    # tiles, 32/64/128-bin histogram windows, thresholds straddled or not, scaled or not
+    from test_kernel_tile import blocks
+    from stabilitywatch.kernels.stats_triton import triton_row
+
+    if kind == "narrow":  # every tile within a few exponents: the 32-bin window
+        x = (1.0 + torch.rand(8192 * 9 + 77, generator=torch.Generator().manual_seed(5)))
+        x = x.to(DTYPES[dname])
+    else:
+        x = blocks(kind, DTYPES[dname])
+    x = x.cuda()
+    assert_rows_match(triton_row(x), reference_row(x), label=f"cuda {dname} {kind}")
+    s = torch.tensor(2.0 ** -12, device="cuda")
+    assert_rows_match(triton_row(x, s), reference_row(x, s), label=f"cuda {dname} {kind} scaled")

@@ -11,32 +11,35 @@ from stabilitywatch.demo import build_model, make_batch, train_step
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_monitored_steps_do_not_sync(tmp_path):
+def train_without_syncs(tmp_path, config: sw.Config) -> sw.Monitor:
+    """6 monitored steps of the demo model; steps 2-5 (after allocations and kernel compilation)
+    under set_sync_debug_mode("error"). Returns the closed monitor."""
     model = build_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     gen = torch.Generator().manual_seed(0)
     data = [make_batch(gen, "cuda") for _ in range(6)]
-    config = sw.Config(every=1, roles=tuple(sw.Role), formats={"output": "e4m3"},
-                       sinks=("jsonl",))
     mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
-
-    def train(steps):
-        for step in steps:
+    try:
+        for step in range(6):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
             with mon.step(step, batch=data[step]):
                 loss = train_step(model, data[step])
                 loss.backward()
                 mon.observe_loss(loss)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-
-    train(range(2))  # warm-up (allocations, kernel compilation) outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        train(range(2, 6))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     mon.close()
+    return mon
+
+
+def test_monitored_steps_do_not_sync(tmp_path):
+    config = sw.Config(every=1, roles=tuple(sw.Role), formats={"output": "e4m3"},
+                       sinks=("jsonl",))
+    mon = train_without_syncs(tmp_path, config)
     assert not mon.taps._failed
     steps = {json.loads(line)["step"] for line in open(tmp_path / "stats.jsonl")}
     assert steps == set(range(6))
@@ -67,3 +70,11 @@ def test_kernel_rows_equal_reference_rows_in_a_run(tmp_path):
             assert a[k] == b[k], (key, k, a[k], b[k])
         assert a["mean"] == pytest.approx(b["mean"], rel=1e-9, abs=1e-12), key
     del model
+
+
+def test_host_snapshot_ring_does_not_sync(tmp_path):
+    # the side-stream copy into pinned memory and the optimizer's wait on it are sync-free
+    mon = train_without_syncs(tmp_path, sw.Config(every=1, sinks=("jsonl",),
+                                                  capture_snapshot_to="host"))
+    assert not mon.capture.snap.disabled and mon.capture.snap.slots[0].model
+    assert not mon.taps._failed

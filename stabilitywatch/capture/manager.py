@@ -82,6 +82,7 @@ class CaptureManager:
 
     def close(self) -> None:
         self.snap.release_through(self._seq)
+        self.snap.close()
 
     def _capture(self, frame: Any, alerts: list[Alert]) -> Optional[str]:
         slot = self.snap.find(frame.step)
@@ -95,6 +96,8 @@ class CaptureManager:
             if not self.store.full:
                 self._warn("noslot", f"step {frame.step} not captured: {why}")
             return None
+        if slot.ready is not None:  # a side-stream copy into host memory: wait for it here,
+            slot.ready.synchronize()  # off the hot path (an alert is being captured)
         tensors, manifest = self._contents(frame, slot, alerts)
         need = sum(t.numel() * t.element_size() for g in tensors.values() for t in g.values())
         refusal = self.store.make_room(need)

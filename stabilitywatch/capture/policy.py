@@ -20,7 +20,7 @@ class SnapshotPolicy(str, enum.Enum):
 
 class SnapshotTarget(str, enum.Enum):
     """Where the snapshot ring lives."""
-    AUTO = "auto"         # the parameters' device while the ring takes <= 1/8 of its memory, else host
+    AUTO = "auto"         # the parameters' device while the ring takes <= 1% of its memory, else host
     DEVICE = "device"     # same device as each tensor: one device copy, costs device memory
     HOST = "host"         # pinned host memory: no device memory, costs a device-to-host copy
 

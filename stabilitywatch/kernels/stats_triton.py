@@ -11,6 +11,7 @@ _convert_float renormalises them); this way both paths run the same exact code.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,8 +20,21 @@ import triton.language as tl
 
 from ..formats import FORMATS, Fmt
 from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, ROW_DTYPE, Stat, init_row_tensor
+from .launch import FastLaunch
 
 _E4M3, _E5M2, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
+# compile-time globals rather than launch arguments (each argument costs launcher time)
+E4_MAX, E4_HS, E4_SL = (tl.constexpr(_E4M3.max), tl.constexpr(_E4M3.underflow_threshold),
+                        tl.constexpr(_E4M3.subnormal_limit))
+E5_MAX, E5_HS, E5_SL = (tl.constexpr(_E5M2.max), tl.constexpr(_E5M2.underflow_threshold),
+                        tl.constexpr(_E5M2.subnormal_limit))
+F16_MAX, F16_HS, F16_SL = (tl.constexpr(_F16.max), tl.constexpr(_F16.underflow_threshold),
+                           tl.constexpr(_F16.subnormal_limit))
+O_E4, O_E5, O_F16 = (tl.constexpr(FMT_BASE[Fmt.E4M3]), tl.constexpr(FMT_BASE[Fmt.E5M2]),
+                     tl.constexpr(FMT_BASE[Fmt.FP16]))
+O_HIST = tl.constexpr(int(Stat.HIST))
+HBINS = tl.constexpr(HIST_BINS)
+HEMIN = tl.constexpr(HIST_EMIN)
 
 
 @triton.jit
@@ -57,13 +71,7 @@ def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, SUB_LIMIT
 # the GPU, and `n.to(...)` below would not compile for one-element tensors.
 @triton.jit(do_not_specialize=["n"])
 def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
-                      FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr,
-                      HBINS: tl.constexpr, HEMIN: tl.constexpr,
-                      E4_MAX: tl.constexpr, E4_HS: tl.constexpr, E4_SL: tl.constexpr,
-                      E5_MAX: tl.constexpr, E5_HS: tl.constexpr, E5_SL: tl.constexpr,
-                      F16_MAX: tl.constexpr, F16_HS: tl.constexpr, F16_SL: tl.constexpr,
-                      O_E4: tl.constexpr, O_E5: tl.constexpr, O_F16: tl.constexpr,
-                      O_HIST: tl.constexpr):
+                      FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_SCALE_PTR:
@@ -176,7 +184,8 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
     n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
     excess = tl.maximum(n_iter, 0) * BLOCK - tl.sum(c_nz, 0)
     hist = hist - tl.where(bins == 0, excess, 0)
-    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64))
+    # empty bins are skipped: most of a small tensor's atomics otherwise
+    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0)
 
 
 # dtypes read as raw bits (FP8 code: 1 e4m3, 2 e5m2, 3 bf16) and the integer view used to read them
@@ -186,8 +195,18 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3
                  torch.float8_e5m2)
 
 
+# read once: the interpreter is on or off from the moment the @triton.jit functions are made
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: "int | None") -> int:
+    # get_device_properties costs ~30 us per call, paid per launch before this cache
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
@@ -196,50 +215,56 @@ def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
         block, max_progs = 8192, 4
     else:
         block = 1024
-        max_progs = torch.cuda.get_device_properties(device).multi_processor_count * 8
-    return block, max(1, min(triton.cdiv(n, block), max_progs))
+        max_progs = _sm_count(device.index) * 8
+    return block, max(1, min(-(-n // block), max_progs))
 
 
 def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                      scale: "float | torch.Tensor" = 1.0, tune: "dict | None" = None) -> None:
     """Merge the statistics of a flat (1-D, contiguous) tensor into out_row, a float64 row of
-    N_STATS values that holds the identity row or earlier results. No host sync."""
+    N_STATS values that holds the identity row or earlier results. No host sync.
+
+    Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
+    general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
+    kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
+    direct (False: launch through Triton's own launcher)."""
     n = flat.numel()
     if n == 0:
         return
-    if not flat.is_contiguous():  # the kernel reads n consecutive elements from data_ptr
+    if not flat.is_contiguous():  # the kernels read n consecutive elements from data_ptr
         raise ValueError("launch_row_stats needs a contiguous tensor (use dispatch.flat_view)")
     fp8 = _FP8_CODE.get(flat.dtype, 0)
     x = flat.view(_BITS_VIEW[fp8]) if fp8 else flat
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)
+    tune = tune or {}
+    cuda = flat.device.type == "cuda" and not _interpreting()
+    if tune.get("kernel") != "general":
+        from .stats_tile import launch_tile, tile_shape
+        warps = tune.get("num_warps", 4)
+        shape = tile_shape(x.element_size(), not cuda, warps, tune.get("u"))
+        tile = shape[0] * shape[1] * shape[2]
+        if n >= tile:
+            n_full = n - n % tile
+            limit = _sm_count(flat.device.index) * tune.get("progs_per_sm", 8) if cuda else 4
+            launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
+                        has_ptr or scale_val != 1.0, fp8, shape, min(n_full // tile, limit),
+                        num_warps=warps, sum32=tune.get("sum32", False),
+                        parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
+                        direct=cuda and tune.get("direct", True))
+            if n_full == n:
+                return
+            x, n = x[n_full:], n - n_full
     block, progs = _launch_shape(n, flat.device)
-    tune = dict(tune or {})  # benchmarks try variants: fast, block, progs_per_sm, num_warps, acc64
-    if "block" in tune or "progs_per_sm" in tune:
-        block = tune.pop("block", block)
-        sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
-        progs = max(1, min(triton.cdiv(n, block), sms * tune.pop("progs_per_sm", 8)))
-    if tune.pop("fast", True) and n >= block:
-        # full blocks through the lean kernel, the tail (if any) through this one
-        from .stats_fast import launch_fast
-        n_full = n - n % block
-        launch_fast(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
-                    has_ptr or scale_val != 1.0, fp8, block, progs,
-                    num_warps=tune.pop("num_warps", 4), acc64=tune.pop("acc64", True))
-        if n_full == n:
-            return
-        x, n = x[n_full:], n - n_full
-        block, progs = _launch_shape(n, flat.device)
-    _row_stats_kernel[(progs,)](
-        x, out_row, scale_ptr, scale_val, n,
-        FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block, HBINS=HIST_BINS, HEMIN=HIST_EMIN,
-        E4_MAX=_E4M3.max, E4_HS=_E4M3.underflow_threshold, E4_SL=_E4M3.subnormal_limit,
-        E5_MAX=_E5M2.max, E5_HS=_E5M2.underflow_threshold, E5_SL=_E5M2.subnormal_limit,
-        F16_MAX=_F16.max, F16_HS=_F16.underflow_threshold, F16_SL=_F16.subnormal_limit,
-        O_E4=FMT_BASE[Fmt.E4M3], O_E5=FMT_BASE[Fmt.E5M2], O_F16=FMT_BASE[Fmt.FP16],
-        O_HIST=int(Stat.HIST), **tune,
-    )
+    consts = dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block)
+    if cuda and tune.get("direct", True):
+        _fast_general(progs, (x, out_row, scale_ptr, scale_val, n), consts, 4)
+    else:  # the interpreter
+        _row_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n, **consts)
+
+
+_fast_general = FastLaunch(_row_stats_kernel)
 
 
 def triton_row(flat: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch.Tensor:

@@ -128,11 +128,10 @@ class StatsBuffer:
         if self.device_of[slot] is None:
             self.device_of[slot] = t.device
         row = dev.rows[slot]
-        if overwrite or slot not in self._touched:
-            if overwrite:
-                row.copy_(dev.init[slot])
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
+        elif overwrite:  # begin_step reset every row: only a second write this step needs this
+            row.copy_(dev.init[slot])
         if isinstance(scale, torch.Tensor):
             dev.scale[slot].copy_(scale.detach().reshape(1))
         accumulate(t, row, scale, self.backend)

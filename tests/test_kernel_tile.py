@@ -1,6 +1,8 @@
-"""The lean kernel (full blocks of large tensors) against the reference, on block structures
-that take each of its branches: NaN/Inf only in some blocks, all-zero blocks, blocks spanning
-more than 32 exponents, thresholds straddled or not, scales as floats and tensors."""
+"""The tile kernel (full tiles of large tensors) against the reference, on tile structures
+that take each of its branches: NaN/Inf only in some tiles, all-zero tiles, tiles spanning
+more than 32 or 64 exponents, thresholds straddled or not, scales as floats and tensors. Under
+the interpreter a tile is 8192 elements (stats_tile.tile_shape); the warp-ballot histogram is
+GPU-only (test_kernel_gpu.py)."""
 import os
 import sys
 
@@ -15,7 +17,7 @@ from stabilitywatch.kernels import dispatch  # noqa: E402
 from stabilitywatch.kernels.stats_triton import triton_row  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
-BLOCK = 8192  # the interpreter's block size (stats_triton._launch_shape)
+BLOCK = 8192  # the interpreter's tile and block size (stats_tile.tile_shape, _launch_shape)
 
 
 def blocks(kind: str, dtype) -> torch.Tensor:
@@ -47,7 +49,7 @@ KINDS = ["normal", "nonfinite_one_block", "zero_blocks", "wide_block", "all_abov
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dname", list(DTYPES))
-def test_lean_kernel_matches_reference(dname, kind):
+def test_tile_kernel_matches_reference(dname, kind):
     x = blocks(kind, DTYPES[dname])
     assert_rows_match(triton_row(dispatch.flat_view(x)), reference_row(x), label=f"{dname} {kind}")
 
@@ -55,7 +57,7 @@ def test_lean_kernel_matches_reference(dname, kind):
 @pytest.mark.parametrize("scale", [0.25, 3.7, 1e30, torch.tensor(2.0 ** -12)],
                          ids=["0.25", "3.7", "1e30", "tensor2^-12"])
 @pytest.mark.parametrize("dname", ["fp32", "bf16", "e4m3"])
-def test_lean_kernel_scaled(dname, scale):
+def test_tile_kernel_scaled(dname, scale):
     x = blocks("mixed", DTYPES[dname])
     assert_rows_match(triton_row(x, scale), reference_row(x, scale), label=f"{dname} {scale}")
 

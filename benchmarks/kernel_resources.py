@@ -1,0 +1,68 @@
+"""Registers, spills and shared memory of the tile kernel compiled for sm_90a, on a machine
+without a GPU (Triton compiles to PTX; the ptxas shipped with Triton assembles it):
+
+    python benchmarks/kernel_resources.py
+
+Cheaper than device time for layout and register work; the GPU's own figures come from
+benchmarks/diagnose_kernel.py. Needs a Triton whose bundled ptxas accepts its PTX (triton 3.9:
+ptxas-blackwell).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from stabilitywatch.kernels import stats_tile  # noqa: E402
+
+PTR = {0: "*fp32", 1: "*u8", 2: "*u8", 3: "*i16"}
+
+
+def compile_tile(fp8: int, shape: tuple, warps: int, **consts) -> tuple[int, int, int]:
+    k = stats_tile._tile_stats_kernel
+    u, t, v = shape
+    c = dict(FP8=fp8, SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, SUM32=False, PARTS=3,
+             BALLOT=1)
+    c.update(consts)
+    sig = {"x_ptr": PTR[fp8], "out_ptr": "*fp64", "scale_ptr": "*fp64", "scale_val": "fp32",
+           "n_full": "i64", **{n: "constexpr" for n in c}}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): val for n, val in c.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})  # aligned pointers
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+                 if os.path.exists(os.path.join(bindir, n)))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ck.asm["ptx"])
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    if regs is None:
+        raise RuntimeError(out[-800:])
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0, ck.metadata.shared
+
+
+def main() -> int:
+    print("| input | tile (U, T, V) | warps | scaled | registers | spill bytes | shared |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for name, fp8, item in (("bf16", 3, 2), ("fp32", 0, 4), ("e4m3", 1, 1)):
+        shape = stats_tile.tile_shape(item, False, 4)
+        for scaled in (False, True):
+            r, s, sh = compile_tile(fp8, shape, 4, SCALED=scaled)
+            print(f"| {name} | {shape} | 4 | {scaled} | {r} | {s} | {sh} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

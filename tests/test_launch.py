@@ -1,0 +1,91 @@
+"""kernels/launch.FastLaunch with a stand-in for a @triton.jit function (the real launcher needs
+a GPU: tests/test_kernel_gpu.py runs it there). What the direct path must get right: the same
+arguments in the same order as Triton's own launch, a new compile for each specialization, and
+a fall-back to Triton's launcher when the compiled launcher refuses the call."""
+import logging
+
+import pytest
+import torch
+
+from stabilitywatch.kernels.launch import FastLaunch
+
+
+class FakeKernel:
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+        self.function, self.packed_metadata = "fn", "md"
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *a):
+        if self.fail:
+            raise TypeError("launcher takes other arguments")
+        self.calls.append(a)
+
+
+class FakeJit:
+    arg_names = ["x_ptr", "out_ptr", "n", "A", "B"]
+
+    def __init__(self, fail=False):
+        self.compiles, self.fail, self.kernels = [], fail, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **consts):
+            self.compiles.append((grid, args, consts, num_warps))
+            k = FakeKernel(self.fail)
+            self.kernels.append(k)
+            return k
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def fake_stream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
+
+
+def test_second_launch_goes_straight_to_the_compiled_launcher():
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.float64)
+    fl(3, (x, out, 64), {"A": 1, "B": True}, 4)
+    fl(5, (x, out, 99), {"A": 1, "B": True}, 4)
+    assert len(jit.compiles) == 1
+    (call,) = jit.kernels[0].calls
+    assert call[:4] == (5, 1, 1, 1234)                   # grid, then the current stream
+    assert call[4:6] == ("fn", "md")
+    assert call[9:] == (x, out, 99, 1, True)             # runtime args, then constexprs in order
+
+
+def test_each_specialization_compiles_once():
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    out = torch.zeros(8, dtype=torch.float64)
+    buf = torch.zeros(65)
+    for x in (buf[:64], buf[1:], buf[:64].double(), buf[:64]):  # aligned, unaligned, dtype, again
+        fl(1, (x, out, 10), {"A": 1, "B": True}, 4)
+    fl(1, (buf[:64], out, 2**40), {"A": 1, "B": True}, 4)   # an int past int32
+    fl(1, (buf[:64], out, 10), {"A": 2, "B": True}, 4)      # another constexpr
+    fl(1, (buf[:64], out, 10), {"A": 1, "B": True}, 8)      # other warps
+    assert len(jit.compiles) == 6
+
+
+def test_a_refusing_launcher_switches_the_direct_path_off(caplog):
+    jit = FakeJit(fail=True)
+    fl = FastLaunch(jit)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        for _ in range(3):
+            fl(1, (x, out, 64), {"A": 1, "B": True}, 4)
+    assert not fl.on
+    assert len(jit.compiles) == 3          # every launch still happened, through Triton
+    assert sum("direct kernel launch failed" in r.message for r in caplog.records) == 1
+
+
+def test_constexprs_out_of_order_are_never_replayed():
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.float64)
+    fl(1, (x, out, 64), {"B": True, "A": 1}, 4)
+    fl(1, (x, out, 64), {"B": True, "A": 1}, 4)
+    assert not fl.on and len(jit.compiles) == 2
