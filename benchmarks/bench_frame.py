@@ -2,7 +2,7 @@
 the row set of a GPT-2-small-shaped model (76 watched modules x 8 roles = 608 rows), without
 running the model: this work runs in the training thread at the end of sampled steps.
 
-    python benchmarks/bench_frame.py [--frames 30] [--smoke]
+    python benchmarks/bench_frame.py [--frames 30] [--sinks jsonl|none] [--smoke]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--frames", type=int, default=30)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--sinks", choices=["jsonl", "none"], default="jsonl",
+                   help="none: no sink thread competing for the GIL")
     a = p.parse_args(argv)
     dims = (256, 64, 2, 4, 32) if a.smoke else (50304, 768, 12, 12, 1024)
     frames = 3 if a.smoke else a.frames
@@ -35,7 +37,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     row = compute_row(torch.randn(4096)).numpy()
     with tempfile.TemporaryDirectory() as tmp:
-        mon = sw.watch(model, config=sw.Config(sinks=("jsonl",)), run_dir=tmp)
+        sinks = () if a.sinks == "none" else ("jsonl",)
+        mon = sw.watch(model, config=sw.Config(sinks=sinks), run_dir=tmp)
         keys = [(n, r) for n, _ in mon.modules for r in ROLES]
         times = []
         for i in range(frames):
@@ -47,8 +50,9 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - t0) * 1e3)
         mon.close()
     steady = times[len(times) // 2:]  # once the detectors' windows are full
-    print(f"| rows per frame | frames | ms per frame (median, second half) |\n|---:|---:|---:|\n"
-          f"| {len(keys)} | {frames} | {statistics.median(steady):.1f} |")
+    print(f"| rows per frame | frames | sinks | ms per frame (median, second half) |\n"
+          f"|---:|---:|---|---:|\n| {len(keys)} | {frames} | {a.sinks} | "
+          f"{statistics.median(steady):.1f} |")
     return 0
 
 
