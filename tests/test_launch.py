@@ -39,9 +39,15 @@ class FakeJit:
         return launch
 
 
+DEVICE = [0]
+
+
 @pytest.fixture(autouse=True)
-def fake_stream(monkeypatch):
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
+def fake_cuda(monkeypatch):
+    DEVICE[0] = 0
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234 + dev,
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: DEVICE[0])
 
 
 def test_second_launch_goes_straight_to_the_compiled_launcher():
@@ -67,7 +73,11 @@ def test_each_specialization_compiles_once():
     fl(1, (buf[:64], out, 2**40), {"A": 1, "B": True}, 4)   # an int past int32
     fl(1, (buf[:64], out, 10), {"A": 2, "B": True}, 4)      # another constexpr
     fl(1, (buf[:64], out, 10), {"A": 1, "B": True}, 8)      # other warps
-    assert len(jit.compiles) == 6
+    DEVICE[0] = 1
+    fl(1, (buf[:64], out, 10), {"A": 1, "B": True}, 4)      # another current device
+    fl(1, (buf[:64], out, 10), {"A": 1, "B": True}, 4)
+    assert len(jit.compiles) == 7
+    assert jit.kernels[-1].calls[0][3] == 1235              # that device's stream
 
 
 def test_a_refusing_launcher_switches_the_direct_path_off(caplog):

@@ -37,10 +37,11 @@ class FastLaunch:
         constexprs: every constexpr argument by name."""
         key = None
         if self.on:
-            key = (num_warps, *(_spec(a) for a in args), *constexprs.items())
-            hit = self.cache.get(key)
-            if hit is not None:
-                kernel, device = hit
+            # Triton loads and launches on the current device (not the tensors'): so do we
+            device = torch.cuda.current_device()
+            key = (device, num_warps, *(_spec(a) for a in args), *constexprs.items())
+            kernel = self.cache.get(key)
+            if kernel is not None:
                 try:  # the call Triton's JITFunction.run ends with
                     stream = torch._C._cuda_getCurrentRawStream(device)
                     enter, leave = _hooks()
@@ -59,7 +60,7 @@ class FastLaunch:
             if list(constexprs) != self.names[len(args):]:
                 self.on = False  # arguments not in declaration order: cannot replay them
                 return
-            self.cache[key] = (kernel, args[0].device.index)
+            self.cache[key] = kernel
 
 
 def _spec(a):
