@@ -25,7 +25,7 @@ from ..config import Config
 from ..formats import spec
 from ..stats.buffer import StatsFrame
 from .base import Detector
-from .series import Window, log2_or_none
+from .series import MAD_TO_SIGMA, log2_or_none
 
 SKIP_ROLES = ("loss", "logz", "logits", "attn_logits")
 
@@ -35,11 +35,56 @@ def _skipped(role: str, exclude) -> bool:
             or any(fnmatch.fnmatchcase(role, p) for p in exclude))
 
 
-class _CusumState:
-    __slots__ = ("win", "gp", "gn")
+class _Rings:
+    """The windows of every (module, role, stat) series as rows of one array (NaN where a
+    window is not full yet), with their CUSUM sums: a frame's ~1,000 series are judged with a few
+    array operations instead of a Python median each (this runs in the training thread)."""
 
-    def __init__(self, size: int):
-        self.win, self.gp, self.gn = Window(size), 0.0, 0.0
+    def __init__(self, window: int):
+        self.w = window
+        self.row: dict[tuple[str, str, str], int] = {}
+        self._grow(64)
+
+    def _grow(self, cap: int) -> None:
+        old = getattr(self, "vals", np.empty((0, self.w)))
+        n = old.shape[0]
+        self.vals = np.full((cap, self.w), np.nan)
+        self.vals[:n] = old
+        for name in ("count", "pos"):
+            a = np.zeros(cap, dtype=np.int64)
+            a[:n] = getattr(self, name, a[:0])
+            setattr(self, name, a)
+        for name in ("gp", "gn"):
+            a = np.zeros(cap)
+            a[:n] = getattr(self, name, a[:0])
+            setattr(self, name, a)
+
+    def rows(self, keys: list) -> np.ndarray:
+        out = np.empty(len(keys), dtype=np.int64)
+        for j, k in enumerate(keys):
+            r = self.row.get(k)
+            if r is None:
+                r = self.row[k] = len(self.row)
+                if r >= self.vals.shape[0]:
+                    self._grow(2 * self.vals.shape[0])
+            out[j] = r
+        return out
+
+    def robust(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(median, 1.4826 * MAD) of each row's window; the same values as Window.robust (the
+        two middle values of a sorted window averaged, NaN slots sorted past the end)."""
+        n = self.count[rows]
+        lo, hi = (n - 1) // 2, n // 2
+        idx = np.arange(len(rows))
+        s = np.sort(self.vals[rows], axis=1)
+        med = (s[idx, lo] + s[idx, hi]) / 2.0
+        d = np.sort(np.abs(self.vals[rows] - med[:, None]), axis=1)
+        return med, MAD_TO_SIGMA * ((d[idx, lo] + d[idx, hi]) / 2.0)
+
+    def push(self, rows: np.ndarray, x: np.ndarray) -> None:
+        self.vals[rows, self.pos[rows]] = x
+        self.pos[rows] = (self.pos[rows] + 1) % self.w
+        self.count[rows] = np.minimum(self.count[rows] + 1, self.w)
 
 
 class DriftDetector(Detector):
@@ -47,58 +92,79 @@ class DriftDetector(Detector):
 
     def __init__(self, config: Config):
         self.cfg = config
-        self._series: dict[tuple[str, str, str], _CusumState] = {}
+        self._rings = _Rings(config.drift_window)
+        self._skip: dict[str, bool] = {}
         self._trend: dict[tuple[str, str], deque] = {}
 
     def check(self, frame: StatsFrame) -> list[Alert]:
-        out: list[Alert] = []
-        for i, (module, role) in enumerate(frame.keys):
-            if _skipped(role, self.cfg.drift_exclude_roles):
-                continue
-            d = frame.derived(i)
-            for stat in self.cfg.drift_stats:
-                x = log2_or_none(d[stat])
+        cfg = self.cfg
+        keep = []
+        for i, (_, role) in enumerate(frame.keys):
+            skip = self._skip.get(role)
+            if skip is None:
+                skip = self._skip[role] = _skipped(role, cfg.drift_exclude_roles)
+            if not skip:
+                keep.append(i)
+        found: list[tuple[int, int, Alert]] = []   # (row, order within the row, alert)
+        for order, stat in enumerate(cfg.drift_stats):
+            col = frame.column(stat)
+            rows, xs = [], []
+            for i in keep:
+                x = log2_or_none(col[i])
                 if x is not None:
-                    a = self._change(frame, module, role, stat, x)
-                    if a is not None:
-                        out.append(a)
-            fmt = self.cfg.format_for(role)
+                    rows.append(i)
+                    xs.append(x)
+            if rows:
+                found += [(i, order, a) for i, a in self._change(frame, stat, rows, xs)]
+        late = len(cfg.drift_stats)
+        for i in keep:
+            fmt = cfg.format_for(frame.keys[i][1])
             if fmt is not None:
-                a = self._forecast(frame, module, role, fmt, d["absmax"] * frame.scales[i])
+                module, role = frame.keys[i]
+                a = self._forecast(frame, module, role, fmt,
+                                   frame.derived(i)["absmax"] * frame.scales[i])
                 if a is not None:
-                    out.append(a)
-        return out
+                    found.append((i, late, a))
+        found.sort(key=lambda t: (t[0], t[1]))
+        return [a for _, _, a in found]
 
     # -- change points ----------------------------------------------------------------------
-    def _change(self, frame, module, role, stat, x):
+    def _change(self, frame, stat, rows: list, xs: list) -> list[tuple[int, Alert]]:
         cfg = self.cfg
-        key = (module, role, stat)
-        s = self._series.get(key)
-        if s is None:
-            s = self._series[key] = _CusumState(cfg.drift_window)
-        alert = None
-        if len(s.win) >= cfg.drift_min_history:
-            med, sigma = s.win.robust()
-            sigma = max(sigma, cfg.drift_min_sigma_bits)
-            z = (x - med) / sigma
-            s.gp = max(0.0, s.gp + z - cfg.drift_cusum_k)
-            s.gn = max(0.0, s.gn - z - cfg.drift_cusum_k)
-            dev = x - med
-            if ((s.gp > cfg.drift_cusum_h or s.gn > cfg.drift_cusum_h or abs(z) >= cfg.drift_z)
-                    and abs(dev) >= cfg.drift_min_bits):
-                how = "jump" if abs(z) >= cfg.drift_z else "change point (CUSUM)"
-                sev = Severity.WARNING if abs(dev) >= cfg.drift_warn_bits else Severity.INFO
-                msg = (f"{how}: {stat} {2.0 ** x:.4g} is {abs(dev):.1f} bits "
-                       f"{'above' if dev > 0 else 'below'} its median {2.0 ** med:.4g} over the "
-                       f"last {len(s.win)} samples (robust z {z:+.1f}; CUSUM "
-                       f"{max(s.gp, s.gn):.1f} vs {cfg.drift_cusum_h:g})")
-                alert = Alert(step=frame.step, detector=self.name, severity=sev, module=module,
-                              tensor=role, stat=f"log2_{stat}", value=dev,
-                              threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
-                              extra={"z": z, "median": 2.0 ** med, "value": 2.0 ** x})
-                s.gp = s.gn = 0.0
-        s.win.push(x)
-        return alert
+        r = self._rings
+        series = r.rows([(*frame.keys[i], stat) for i in rows])
+        x = np.asarray(xs, dtype=np.float64)
+        out = []
+        ready = r.count[series] >= cfg.drift_min_history
+        if ready.any():
+            sel = np.flatnonzero(ready)
+            e = series[sel]
+            med, sigma = r.robust(e)
+            sigma = np.maximum(sigma, cfg.drift_min_sigma_bits)
+            z = (x[sel] - med) / sigma
+            gp = np.maximum(0.0, r.gp[e] + z - cfg.drift_cusum_k)
+            gn = np.maximum(0.0, r.gn[e] - z - cfg.drift_cusum_k)
+            dev = x[sel] - med
+            fire = (((gp > cfg.drift_cusum_h) | (gn > cfg.drift_cusum_h)
+                     | (np.abs(z) >= cfg.drift_z)) & (np.abs(dev) >= cfg.drift_min_bits))
+            for j in np.flatnonzero(fire):
+                i = rows[sel[j]]
+                module, role = frame.keys[i]
+                zj, mj, xj, dj = float(z[j]), float(med[j]), xs[sel[j]], float(dev[j])
+                how = "jump" if abs(zj) >= cfg.drift_z else "change point (CUSUM)"
+                sev = Severity.WARNING if abs(dj) >= cfg.drift_warn_bits else Severity.INFO
+                msg = (f"{how}: {stat} {2.0 ** xj:.4g} is {abs(dj):.1f} bits "
+                       f"{'above' if dj > 0 else 'below'} its median {2.0 ** mj:.4g} over the "
+                       f"last {int(r.count[e[j]])} samples (robust z {zj:+.1f}; CUSUM "
+                       f"{max(gp[j], gn[j]):.1f} vs {cfg.drift_cusum_h:g})")
+                out.append((i, Alert(step=frame.step, detector=self.name, severity=sev,
+                                     module=module, tensor=role, stat=f"log2_{stat}", value=dj,
+                                     threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
+                                     extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj})))
+                gp[j] = gn[j] = 0.0
+            r.gp[e], r.gn[e] = gp, gn
+        r.push(series, x)
+        return out
 
     # -- time to overflow --------------------------------------------------------------------
     def _forecast(self, frame, module, role, fmt, amax_scaled):

@@ -50,6 +50,12 @@ class StatsFrame:
             self._derived.update(enumerate(derive_many(self.rows, self.scales)))
         return self._derived[i]
 
+    def column(self, stat: str) -> list:
+        """One derived value of every row, in row order (a shared list: do not modify)."""
+        if not self.keys:
+            return []
+        return self.derived(0).column(stat)
+
     def index(self, module: str, role: str) -> Optional[int]:
         try:
             return self.keys.index((module, role))

@@ -86,6 +86,10 @@ class DerivedRow(Mapping):
     def __len__(self) -> int:
         return len(self._cols)
 
+    def column(self, key: str) -> list:
+        """This value for every row of the frame (the shared column)."""
+        return self._cols[key]
+
     def __repr__(self) -> str:
         return repr(dict(self))
 
