@@ -29,7 +29,7 @@ from stabilitywatch.config import Config
 from stabilitywatch.formats import spec
 from stabilitywatch.stats.buffer import StatsFrame
 from stabilitywatch.detectors.base import Detector
-from stabilitywatch.detectors.series import Window, log2_or_none
+from stabilitywatch.detectors.series import MAD_TO_SIGMA, Window, _median, log2_or_none
 
 SKIP_ROLES = ("loss", "logz", "logits", "attn_logits")
 
@@ -37,6 +37,13 @@ SKIP_ROLES = ("loss", "logz", "logits", "attn_logits")
 def _skipped(role: str, exclude) -> bool:
     return (role.startswith("shadow.") or role in SKIP_ROLES
             or any(fnmatch.fnmatchcase(role, p) for p in exclude))
+
+
+def _robust(win: Window) -> tuple[float, float]:
+    """(median, 1.4826 * MAD) of the window."""
+    a = list(win.values)
+    med = _median(a)
+    return med, MAD_TO_SIGMA * _median([abs(v - med) for v in a])
 
 
 class _CusumState:
@@ -82,7 +89,7 @@ class DriftDetector(Detector):
             s = self._series[key] = _CusumState(cfg.drift_window)
         alert = None
         if len(s.win) >= cfg.drift_min_history:
-            med, sigma = s.win.robust()
+            med, sigma = _robust(s.win)
             sigma = max(sigma, cfg.drift_min_sigma_bits)
             z = (x - med) / sigma
             s.gp = max(0.0, s.gp + z - cfg.drift_cusum_k)

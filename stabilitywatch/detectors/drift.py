@@ -71,8 +71,8 @@ class _Rings:
         return out
 
     def robust(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(median, 1.4826 * MAD) of each row's window; the same values as Window.robust (the
-        two middle values of a sorted window averaged, NaN slots sorted past the end)."""
+        """(median, 1.4826 * MAD) of each row's window: the two middle values of the sorted
+        window averaged (NaN slots sort past the end), as series._median does for one list."""
         n = self.count[rows]
         lo, hi = (n - 1) // 2, n // 2
         idx = np.arange(len(rows))

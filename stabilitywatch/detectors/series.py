@@ -44,12 +44,6 @@ class Window:
         diffs = [abs(b - c) for b, c in zip(a[1:], a[:-1])]
         return med, MAD_TO_SIGMA * _median(diffs) / math.sqrt(2.0)
 
-    def robust(self) -> tuple[float, float]:
-        """(median, 1.4826 * MAD) of the window."""
-        a = list(self.values)
-        med = _median(a)
-        return med, MAD_TO_SIGMA * _median([abs(v - med) for v in a])
-
 
 def _median(values: list) -> float:
     # plain Python on these short windows: numpy's per-call overhead was most of the drift
