@@ -153,7 +153,8 @@ class Snapshotter:
             side = self._streams[dev] = torch.cuda.Stream(dev)
         keep = [i for i, (n, _) in enumerate(mt) if n in self._buffer_names]
         _copy([dst[i] for i in keep], [src[i] for i in keep])
-        rest = [i for i in range(len(src)) if i not in set(keep)]
+        kept = set(keep)
+        rest = [i for i in range(len(src)) if i not in kept]
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _copy([dst[i] for i in rest], [src[i] for i in rest])

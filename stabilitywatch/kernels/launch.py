@@ -17,12 +17,16 @@ import torch
 log = logging.getLogger("stabilitywatch")
 
 
+try:
+    from triton import knobs as _knobs
+except Exception:  # a Triton without knobs: no launch hooks to pass on
+    _knobs = None
+
+
 def _hooks():
-    try:
-        from triton import knobs
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    except Exception:
+    if _knobs is None:
         return None, None
+    return _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
 
 
 class FastLaunch:

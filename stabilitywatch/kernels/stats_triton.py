@@ -260,7 +260,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     consts = dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block)
     if cuda and tune.get("direct", True):
         _fast_general(progs, (x, out_row, scale_ptr, scale_val, n), consts, 4)
-    else:  # the interpreter
+    else:  # the interpreter, or tune={"direct": False}
         _row_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n, **consts)
 
 
