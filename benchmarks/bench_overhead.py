@@ -15,6 +15,7 @@ over the read bandwidth of a large torch.sum.
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
 import time
@@ -73,11 +74,15 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["target"].reshape(-1))
 
 
-def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
+def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
     model, opt, batch = build(s, device)
     mon, handles = None, []
     if kind == "default config":
         mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",)), run_dir=out)
+    elif kind == "default config without capture":  # the parts of the default config's cost
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), capture=()), run_dir=out)
+    elif kind == "default config without sinks":
+        mon = sw.watch(model, opt, config=sw.Config(sinks=()), run_dir=out)
     elif kind == "full coverage, every step":
         mon = sw.watch(model, opt, config=full_coverage(), run_dir=out)
     elif kind == "naive hooks + .item()":
@@ -104,11 +109,15 @@ def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float]:
         torch.cuda.synchronize()
     mean_ms = (time.perf_counter() - t0) * 1e3 / s["steps"]
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+    seen = ""
     if mon:
         mon.close()
+        captures = sum(1 for a in mon.alerts if a.capture)
+        kinds = collections.Counter(f"{a.detector}:{a.severity.value}" for a in mon.alerts)
+        seen = f"{len(mon.alerts)} / {captures} " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
     for h in handles:
         h.remove()
-    return mean_ms, peak
+    return mean_ms, peak, seen
 
 
 class _null:
@@ -142,29 +151,34 @@ def floor_ms(s: dict, device: str) -> float:
 
 
 KINDS = ["no monitor", "default config", "full coverage, every step", "naive hooks + .item()",
-         "detect_anomaly"]
+         "detect_anomaly", "default config without capture", "default config without sinks"]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--configs", default=";".join(KINDS[:5]),
+                   help=f"separated by ;, from: {'; '.join(KINDS)}")
     a = p.parse_args(argv)
+    kinds = [k.strip() for k in a.configs.split(";")]
+    if "no monitor" not in kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--configs: choose from {KINDS}, including 'no monitor' (the baseline)")
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     s = shapes(a.smoke or device == "cpu")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, kind in enumerate(KINDS):
+        for i, kind in enumerate(kinds):
             res[kind] = run(kind, s, device, f"{tmp}/{i}")
-    base, base_mem = res["no monitor"]
+    base, base_mem, _ = res["no monitor"]
     fl = floor_ms(s, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"# bench_overhead on {name}: {s}; read-once floor of full coverage {fl:.2f} ms "
           f"({fl / base:.1%} of the step)")
-    print("| configuration | ms/step | ratio | overhead | peak MiB | peak ratio |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for kind, (ms, mem) in res.items():
+    print("| configuration | ms/step | ratio | overhead | peak MiB | peak ratio | alerts / captures |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for kind, (ms, mem, seen) in res.items():
         print(f"| {kind} | {ms:.2f} | {ms / base:.3f}x | {(ms - base) / base:+.1%} | {mem:.0f} "
-              f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} |")
+              f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} | {seen} |")
     return 0
 
 

@@ -83,17 +83,13 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "general kernel only (v1)": {"kernel": "general"},
-    "tile kernel (v3, default)": {},
-    "tile, tl.histogram instead of warp ballots": {"ballot": False},
-    "tile, float32 sums within a tile": {"sum32": True},
-    "tile u1": {"u": 1},
-    "tile u2": {"u": 2},
-    "tile u4": {"u": 4},
-    "tile u1 w1 p32": {"u": 1, "num_warps": 1, "progs_per_sm": 32},
-    "tile without format counts": {"parts": 2},
-    "tile without histogram": {"parts": 1},
-    "tile without either": {"parts": 0},
+    "fast pass, lane histogram (v4, default)": {},
+    "careful pass only, warp ballots (v3)": {"fast": 0},
+    "fast, float32 sums within a tile": {"sum32": True},
+    "fast u2": {"u": 2},
+    "fast, 8 warps": {"num_warps": 8},
+    "fast, 1 warp, 16 programs per SM": {"num_warps": 1, "progs_per_sm": 16},
+    "fast, 4 programs per SM": {"progs_per_sm": 4},
 }
 
 

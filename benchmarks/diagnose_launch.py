@@ -32,6 +32,14 @@ def main() -> None:
     row = init_row_tensor("cuda")
     y = torch.empty(1, device="cuda")
     print(f"torch add_ (one tiny kernel): {per_call(lambda: y.add_(1)):.1f} us")
+    from stabilitywatch.stats.buffer import StatsBuffer
+    buf = StatsBuffer()
+    buf.begin_step(0)
+    small = [torch.randn(768, device="cuda") for _ in range(100)]
+    print(f"StatsBuffer.add, 768 fp32: {per_call(lambda: buf.add(small[0], 'm', 'w', 1)):.1f} us")
+    items = [(t, f"m{i}", "w", 1.0) for i, t in enumerate(small)]
+    print(f"StatsBuffer.add_many, 100 x 768 fp32: "
+          f"{per_call(lambda: buf.add_many(items, 1), n=200) / 100:.1f} us per tensor")
     print(f"launch_row_stats n=1000: {per_call(lambda: stats_triton.launch_row_stats(x, row)):.1f} us")
     print(f"x.view(int16): {per_call(lambda: x.view(torch.int16)):.2f} us")
     print(f"data_ptr: {per_call(lambda: x.data_ptr()):.2f} us")

@@ -24,6 +24,9 @@ from bench_overhead import build, loss_fn, shapes  # noqa: E402
 
 
 def main() -> None:
+    import logging
+    logging.basicConfig(format="%(relativeCreated)d ms %(message)s")
+    logging.getLogger("stabilitywatch").setLevel(logging.DEBUG)  # first launches (compiles)
     s = shapes(False)
     model, opt, batch = build(s, "cuda")
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,6 +49,7 @@ def main() -> None:
             step(i)
             torch.cuda.synchronize()
             walls[i] = (time.perf_counter() - t0) * 1e3
+            logging.getLogger("stabilitywatch").debug("step %d done", i)
         print("wall ms per step:", {k: round(v, 1) for k, v in walls.items()})
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as p:

@@ -26,11 +26,12 @@ from stabilitywatch.kernels import stats_tile  # noqa: E402
 PTR = {0: "*fp32", 1: "*u8", 2: "*u8", 3: "*i16"}
 
 
-def compile_tile(fp8: int, shape: tuple, warps: int, **consts) -> tuple[int, int, int]:
+def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None,
+                 **consts) -> tuple[int, int, int]:
     k = stats_tile._tile_stats_kernel
     u, t, v = shape
     c = dict(FP8=fp8, SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, SUM32=False, PARTS=3,
-             BALLOT=1)
+             BALLOT=0, FAST=2)
     c.update(consts)
     sig = {"x_ptr": PTR[fp8], "out_ptr": "*fp64", "scale_ptr": "*fp64", "scale_val": "fp32",
            "n_full": "i64", **{n: "constexpr" for n in c}}
@@ -43,24 +44,33 @@ def compile_tile(fp8: int, shape: tuple, warps: int, **consts) -> tuple[int, int
                  if os.path.exists(os.path.join(bindir, n)))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ck.asm["ptx"])
-    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+    cubin = f.name + ".cubin"
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", cubin],
                          capture_output=True, text=True).stderr
     os.unlink(f.name)
+    if sass and os.path.exists(cubin):  # the SASS, to count a loop's instructions
+        with open(sass, "w") as g:
+            g.write(subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin],
+                                   capture_output=True, text=True).stdout)
+    if os.path.exists(cubin):
+        os.unlink(cubin)
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
+    smem = re.search(r"(\d+) bytes smem", out)  # static (the lane histogram), not Triton's own
     if regs is None:
         raise RuntimeError(out[-800:])
-    return int(regs.group(1)), int(spill.group(1)) if spill else 0, ck.metadata.shared
+    return (int(regs.group(1)), int(spill.group(1)) if spill else 0,
+            ck.metadata.shared + (int(smem.group(1)) if smem else 0))
 
 
 def main() -> int:
-    print("| input | tile (U, T, V) | warps | scaled | registers | spill bytes | shared |")
-    print("|---|---|---:|---|---:|---:|---:|")
+    print("| input | tile (U, T, V) | warps | scaled | fast | registers | spill bytes | shared |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
     for name, fp8, item in (("bf16", 3, 2), ("fp32", 0, 4), ("e4m3", 1, 1)):
         shape = stats_tile.tile_shape(item, False, 4)
-        for scaled in (False, True):
-            r, s, sh = compile_tile(fp8, shape, 4, SCALED=scaled)
-            print(f"| {name} | {shape} | 4 | {scaled} | {r} | {s} | {sh} |")
+        for scaled, fast in ((False, 2), (False, 0), (True, 0)):
+            r, s, sh = compile_tile(fp8, shape, 4, SCALED=scaled, FAST=fast, BALLOT=int(not fast))
+            print(f"| {name} | {shape} | 4 | {scaled} | {fast} | {r} | {s} | {sh} |")
     return 0
 
 

@@ -90,7 +90,8 @@ class Monitor:
         self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
                                            self.world_size), queue_size=config.queue_size)
         self._record_eager = _eager(self._record)
-        self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced)
+        self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
+                         self._record_many)
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -218,6 +219,22 @@ class Monitor:
         self.buffer.add(t, module, role, phase,
                         scale=self.config.scale_for(role) if scale is None else scale,
                         overwrite=overwrite)
+
+    def _record_many(self, items: list, phase: int, overwrite: bool) -> None:
+        """_record for many (tensor, module, role) at once (the taps over every parameter): the
+        buffer reads the small ones in one launch. A tensor it cannot read is skipped with a
+        warning; a failing batch raises (the tap that called it is switched off)."""
+        if self._step is None:
+            return
+        ready = []
+        for t, module, role in items:
+            if not is_supported(t):
+                self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
+                                f"{t.dtype} is not supported; skipped")
+                continue
+            ready.append((self.dist.local(t, module, role), module, role,
+                          self.config.scale_for(role)))
+        self.buffer.add_many(ready, phase, overwrite)
 
     def _record_traced(self, t: torch.Tensor, module: str, role: str, phase: int) -> None:
         """The record path traced by torch.compile: a custom-op call on the step's rows. A slot

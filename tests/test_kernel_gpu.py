@@ -117,14 +117,21 @@ def test_gpu_kernel_is_deterministic_except_last_bits_of_sums():
     assert rel < 1e-12
 
 
+@pytest.mark.parametrize("fast", [2, 0], ids=["fast", "careful"])
 @pytest.mark.parametrize("kind", ["normal", "nonfinite_one_block", "zero_blocks", "wide_block",
                                   "all_above_thresholds", "all_nonfinite", "mixed", "narrow"])
 @pytest.mark.parametrize("dname", list(DTYPES))
-def test_gpu_tile_branches_match_reference(dname, kind):
-    # tiles that take each uniform branch of the tile kernel: NaN/Inf in a few tiles, all-zero
-    # tiles, 32/64/128-bin histogram windows, thresholds straddled or not, scaled or not
+def test_gpu_tile_branches_match_reference(dname, kind, fast):
+    # tiles that take each uniform branch of the careful pass: NaN/Inf in a few tiles, all-zero
+    # tiles, 32/64/128-bin histogram windows, thresholds straddled or not, scaled or not; and
+    # the fast pass (lane histogram in shared memory) with its per-program fallback
     from test_kernel_tile import blocks
-    from stabilitywatch.kernels.stats_triton import triton_row
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+
+    def triton_row(t, scale=1.0):
+        row = init_row_tensor(t.device)
+        launch_row_stats(t.reshape(-1), row, scale, tune={"fast": fast})
+        return row
 
     if kind == "narrow":  # every tile within a few exponents: the 32-bin window
         x = (1.0 + torch.rand(8192 * 9 + 77, generator=torch.Generator().manual_seed(5)))
@@ -135,3 +142,46 @@ def test_gpu_tile_branches_match_reference(dname, kind):
     assert_rows_match(triton_row(x), reference_row(x), label=f"cuda {dname} {kind}")
     s = torch.tensor(2.0 ** -12, device="cuda")
     assert_rows_match(triton_row(x, s), reference_row(x, s), label=f"cuda {dname} {kind} scaled")
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "e4m3"])
+def test_gpu_fast_pass_runs_and_falls_back(dname):
+    # PARTS=0 (a benchmark switch) empties the careful pass's histogram, not the fast pass's:
+    # ordinary data stays on the fast pass; one tile (one program) with each kind of data the
+    # fast pass cannot count exactly goes to the careful pass, and both give the reference row
+    from test_kernel_fast import TRIGGERS, hist, ordinary
+    from stabilitywatch.kernels.stats_tile import tile_shape
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+
+    dtype = DTYPES[dname]
+
+    def row_of(t, **tune):
+        row = init_row_tensor(t.device)
+        launch_row_stats(t.reshape(-1), row, tune={"fast": 2, **tune})
+        return row
+
+    u, t, v = tile_shape(torch.empty(0, dtype=dtype).element_size(), False)
+    tile = u * t * v
+    x = ordinary(tile * 1000 + 5, dtype).cuda()
+    assert hist(row_of(x, parts=0)).sum() > 0
+    assert_rows_match(row_of(x), reference_row(x), label=f"{dname} ordinary")
+    for name, vals in TRIGGERS.items():
+        y = ordinary(tile, torch.float32, seed=1)
+        y[5: 5 + len(vals)] = torch.tensor(vals)
+        y = y.to(dtype).cuda()
+        if dname == "e4m3" and name != "nan":
+            continue  # no Inf in e4m3, and the other triggers are outside its range
+        assert hist(row_of(y, parts=0)).sum() == 0, name
+        assert_rows_match(row_of(y), reference_row(y), label=f"{dname} {name}")
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_gpu_many_tensors_in_one_launch(dname):
+    from stabilitywatch.kernels.stats_multi import MULTI_MAX, launch_many
+
+    ts = [gpu_values(n, DTYPES[dname], seed=n) for n in (1, 127, 4097, 70001, MULTI_MAX)]
+    rows = torch.stack([init_row_tensor("cuda") for _ in range(8)])
+    slots = [7, 2, 0, 5, 3]
+    launch_many([t.reshape(-1) for t in ts], rows, slots)
+    for t, s in zip(ts, slots):
+        assert_rows_match(rows[s], reference_row(t), sum_rtol=1e-12, label=f"{dname} {t.numel()}")

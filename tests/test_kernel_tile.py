@@ -14,7 +14,8 @@ from rowcheck import assert_rows_match  # noqa: E402
 from test_kernel import DTYPES, content  # noqa: E402
 
 from stabilitywatch.kernels import dispatch  # noqa: E402
-from stabilitywatch.kernels.stats_triton import triton_row  # noqa: E402
+from stabilitywatch.kernels.stats_triton import launch_row_stats, triton_row  # noqa: E402
+from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
 BLOCK = 8192  # the interpreter's tile and block size (stats_tile.tile_shape, _launch_shape)
@@ -47,11 +48,15 @@ KINDS = ["normal", "nonfinite_one_block", "zero_blocks", "wide_block", "all_abov
          "all_nonfinite", "mixed"]
 
 
+@pytest.mark.parametrize("fast", [1, 0], ids=["fast", "careful"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dname", list(DTYPES))
-def test_tile_kernel_matches_reference(dname, kind):
-    x = blocks(kind, DTYPES[dname])
-    assert_rows_match(triton_row(dispatch.flat_view(x)), reference_row(x), label=f"{dname} {kind}")
+def test_tile_kernel_matches_reference(dname, kind, fast):
+    # fast 1: the fast pass, falling back per program (tile_fast.py); 0: the careful pass only
+    x = dispatch.flat_view(blocks(kind, DTYPES[dname]))
+    row = init_row_tensor(x.device)
+    launch_row_stats(x, row, tune={"fast": fast})
+    assert_rows_match(row, reference_row(x), label=f"{dname} {kind} fast={fast}")
 
 
 @pytest.mark.parametrize("scale", [0.25, 3.7, 1e30, torch.tensor(2.0 ** -12)],

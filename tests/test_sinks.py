@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from stabilitywatch.alert import Alert, Severity
 from stabilitywatch.sinks import ConsoleSink, JsonlSink, Sink, SinkRunner
@@ -246,3 +247,28 @@ def test_console_sink_levels_and_threshold(caplog):
     with pytest.raises(ValueError, match="min_severity"):
         ConsoleSink(min_severity="loud")
 
+
+
+def test_jsonl_frame_records_encode_exactly_as_one_by_one():
+    # the column-wise encoder writes, byte for byte, what json.dumps of each cleaned record writes
+    import numpy as np
+    from stabilitywatch.sinks.jsonl import _clean_record, _dumps, encode_records
+    from stabilitywatch.stats.derive import derive_many
+    from stabilitywatch.stats.layout import Stat, init_row
+    from stabilitywatch.stats.reference import reference_row
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1000, generator=g) * 10 ** k for k in range(-3, 4)]
+    xs[2][5] = float("nan")
+    xs[4][:] = float("inf")
+    rows = np.stack([reference_row(x).cpu().numpy() for x in xs] + [init_row()])
+    rows[1, Stat.SUM] = -0.0
+    stats = derive_many(rows, [1.0] * len(rows))
+    base = {"schema": 1, "step": 7, "rank": 0, "world_size": 1}
+    recs = [{**base, "module": f'm"{i}%s\u00e9', "tensor": "output", "stats": s}
+            for i, s in enumerate(stats)]
+    recs.insert(3, {**base, "module": "", "tensor": "grad_norm", "stats": {"l2norm": 1.5}})
+    recs.append({**base, "module": "x", "tensor": "shadow", "stats": {"err": float("nan")}})
+    want = "".join(_dumps(_clean_record(r)) + "\n" for r in recs)
+    assert encode_records(recs) == want
+    assert [json.loads(line)["module"] for line in want.splitlines()] == [r["module"] for r in recs]

@@ -48,10 +48,15 @@ def param_role(pname: str, kind: str) -> str:
 
 class Taps:
     def __init__(self, modules: list[tuple[str, nn.Module]], optimizer: Optional[torch.optim.Optimizer],
-                 record: Record, is_on: IsOn, traced: Optional[Callable] = None):
+                 record: Record, is_on: IsOn, traced: Optional[Callable] = None,
+                 record_many: Optional[Callable] = None):
         self.modules = modules
         self.optimizer = optimizer
         self.record = record
+        # record_many(items, phase, overwrite), items (tensor, module, role): the taps over every
+        # parameter at once (weights, gradients, optimizer state), which it may batch
+        self.record_many = record_many or (
+            lambda items, phase, overwrite: [record(t, m, r, phase, overwrite) for t, m, r in items])
         self.is_on = is_on
         # traced(tensor, module, role, phase): the path taken while torch.compile traces a hook
         self.traced = traced
@@ -107,9 +112,8 @@ class Taps:
         """Parameters as the step's forward will see them (called at step start)."""
         if not self.is_on(Role.WEIGHT):
             return
-        for name, pname, p in self.params:
-            self._guard(f"weight tap of {name}.{pname}", self.record, p.detach(), name,
-                        param_role(pname, "weight"), Phase.WEIGHT, False)
+        items = [(p.detach(), name, param_role(pname, "weight")) for name, pname, p in self.params]
+        self._guard("weight taps", self.record_many, items, Phase.WEIGHT, False)
 
     def _forward_hook(self, name: str):
         def eager(mod, args, output):
@@ -179,15 +183,15 @@ class Taps:
     def _grads_before_step(self, opt, args, kwargs):
         if not self.is_on(Role.GRAD):
             return None
-        for name, pname, p in self.params:
-            if p.grad is not None:
-                self._guard(f"gradient tap of {name}.{pname}", self.record, p.grad.detach(),
-                            name, param_role(pname, "grad"), Phase.GRAD, True)
+        items = [(p.grad.detach(), name, param_role(pname, "grad"))
+                 for name, pname, p in self.params if p.grad is not None]
+        self._guard("gradient taps", self.record_many, items, Phase.GRAD, True)
         return None
 
     def _optim_state(self, opt, args, kwargs):
         if not self.is_on(Role.OPTIM):
             return None
+        items = []
         for name, pname, p in self.params:
             state = opt.state.get(p)
             if not state:
@@ -195,6 +199,6 @@ class Taps:
             for k, v in state.items():
                 # per-element state only (exp_avg, exp_avg_sq, momentum_buffer...), not `step`
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == p.numel():
-                    self._guard(f"optimizer-state tap of {name}.{pname}", self.record, v.detach(),
-                                name, param_role(pname, f"optim.{k}"), Phase.OPTIM, True)
+                    items.append((v.detach(), name, param_role(pname, f"optim.{k}")))
+        self._guard("optimizer-state taps", self.record_many, items, Phase.OPTIM, True)
         return None

@@ -19,12 +19,16 @@ def _triton_module():
     return stats_triton
 
 
+def _interpret() -> bool:
+    # read per call off CUDA only: tests switch the interpreter on and off around this module
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def triton_usable(device: torch.device, backend: str = "auto") -> bool:
     """True when the kernel should run for tensors on `device`."""
     if backend == "torch":
         return False
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if device.type != "cuda" and not (interp and backend == "triton"):
+    if device.type != "cuda" and not (_interpret() and backend == "triton"):
         return False
     mod = _triton_module()
     if mod is None and backend == "triton":
@@ -74,6 +78,29 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         _triton_module().launch_row_stats(flat_view(t), row, scale)
     else:
         merge_into(row, reference_row(t, scale))
+
+
+def batchable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "auto") -> bool:
+    """True when t can share a multi-tensor launch (accumulate_many): a kernel dtype on a device
+    the kernel runs on, scale 1, at most stats_multi.MULTI_MAX elements."""
+    if isinstance(scale, torch.Tensor) or scale != 1.0 or not _kernel_ok(t, backend):
+        return False
+    from .stats_multi import MULTI_MAX  # late: it imports triton
+    return 0 < t.numel() <= MULTI_MAX
+
+
+def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> None:
+    """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype. Every
+    tensor must pass batchable(); no host sync."""
+    from .stats_multi import launch_many
+    by_dtype: dict = {}
+    for t, s in zip(ts, slots):
+        by_dtype.setdefault(t.dtype, ([], []))
+        flats, ss = by_dtype[t.dtype]
+        flats.append(flat_view(t))
+        ss.append(s)
+    for flats, ss in by_dtype.values():
+        launch_many(flats, rows, ss)
 
 
 def compute_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0,

@@ -11,6 +11,7 @@ turns this off and every launch goes through Triton again.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -26,7 +27,14 @@ except Exception:  # a Triton without knobs: no launch hooks to pass on
 def _hooks():
     if _knobs is None:
         return None, None
-    return _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    # Triton 3.6 keeps empty hook chains there: passed as None, the launcher skips them and we
+    # skip launch_metadata (a dict of every argument, built on each launch)
+    return _live(enter), _live(leave)
+
+
+def _live(hook):
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
 class FastLaunch:
@@ -36,9 +44,11 @@ class FastLaunch:
         self.cache: dict = {}
         self.on = True
 
-    def __call__(self, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
-        """args: the kernel's runtime arguments in order (tensors, floats, ints) on a CUDA device;
-        constexprs: every constexpr argument by name."""
+    def __call__(self, grid: "int | tuple", args: tuple, constexprs: dict, num_warps: int) -> None:
+        """grid: programs (an int, or a tuple of up to 3); args: the kernel's runtime arguments in
+        order (tensors, floats, ints) on a CUDA device; constexprs: every constexpr argument by
+        name."""
+        grid = (grid, 1, 1) if isinstance(grid, int) else (tuple(grid) + (1, 1))[:3]
         key = None
         if self.on:
             # Triton loads and launches on the current device (not the tensors'): so do we
@@ -50,16 +60,20 @@ class FastLaunch:
                     stream = torch._C._cuda_getCurrentRawStream(device)
                     enter, leave = _hooks()
                     full = (*args, *constexprs.values())
-                    meta = (kernel.launch_metadata((grid, 1, 1), stream, *full)
+                    meta = (kernel.launch_metadata(grid, stream, *full)
                             if enter is not None else None)
-                    kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata,
+                    kernel.run(*grid, stream, kernel.function, kernel.packed_metadata,
                                meta, enter, leave, *full)
                     return
                 except Exception as e:  # a launcher that takes other arguments
                     self.on = False
                     log.warning("stabilitywatch: direct kernel launch failed (%s: %s); "
                                 "using Triton's launcher", type(e).__name__, e)
-        kernel = self.fn[(grid,)](*args, **constexprs, num_warps=num_warps)
+        t0 = time.perf_counter()
+        kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+        if key is not None:  # the first launch of this specialization (a compile, or a cache load)
+            log.debug("stabilitywatch: %s %s first launch %.0f ms",
+                      getattr(self.fn, "__name__", self.fn), key, (time.perf_counter() - t0) * 1e3)
         if key is not None and kernel is not None and hasattr(kernel, "run"):
             if list(constexprs) != self.names[len(args):]:
                 self.on = False  # arguments not in declaration order: cannot replay them

@@ -20,57 +20,15 @@ order of |x|. Counts, extrema, histogram and fingerprint are exact; sums are flo
 """
 from __future__ import annotations
 
-import struct
-
 import triton
 import triton.language as tl
 
-from ..formats import FORMATS, Fmt
-from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, Stat
 from .launch import FastLaunch
-from .stats_triton import _decode_fp8
-
-_INF = tl.constexpr(0x7F800000)
-_MAXI = tl.constexpr(0x7FFFFFFF)
-_NEGINF = tl.constexpr(-8388608)  # bits of -inf as int32
-
-
-def _bits(v: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", v))[0]
-
-
-# Row layout and format thresholds as compile-time globals, not launch arguments: every
-# argument costs host time in Triton's launcher on each of the thousands of launches a step.
-# Thresholds are float32 bit patterns of |y|: y > max, y > half the min subnormal, y >= the
-# subnormal limit.
-_E4, _E5, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
-TM4, TH4, TS4 = (tl.constexpr(_bits(_E4.max)), tl.constexpr(_bits(_E4.underflow_threshold)),
-                 tl.constexpr(_bits(_E4.subnormal_limit) - 1))
-TM5, TH5, TS5 = (tl.constexpr(_bits(_E5.max)), tl.constexpr(_bits(_E5.underflow_threshold)),
-                 tl.constexpr(_bits(_E5.subnormal_limit) - 1))
-TM6, TH6, TS6 = (tl.constexpr(_bits(_F16.max)), tl.constexpr(_bits(_F16.underflow_threshold)),
-                 tl.constexpr(_bits(_F16.subnormal_limit) - 1))
-O_E4, O_E5, O_F16 = (tl.constexpr(FMT_BASE[Fmt.E4M3]), tl.constexpr(FMT_BASE[Fmt.E5M2]),
-                     tl.constexpr(FMT_BASE[Fmt.FP16]))
-O_HIST = tl.constexpr(int(Stat.HIST))
-HBINS = tl.constexpr(HIST_BINS)
-assert HIST_EMIN == -96  # bin b of |x| is (exponent field - 31), clamped to 0..127
-
-
-@triton.jit
-def _tsum(v):
-    return tl.sum(tl.sum(v, 2), 0)
-
-
-@triton.jit
-def _tmax(v):
-    return tl.max(tl.max(v, 2), 0)
-
-
-@triton.jit
-def _tmin(v):
-    return tl.min(tl.min(v, 2), 0)
-
+from .ptx import _ballot_hist64
+from .stats_triton import _decode_fp8, _emit_scalars, _put
+from .tile_fast import _fast_tiles
+from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
+                       TS6, _INF, _MAXI, _NEGINF, _decode_tile, _tmax, _tmin, _tsum)
 
 @triton.jit
 def _count_gt(yu, T: tl.constexpr, ymin, ymax, nz_t, c):
@@ -92,70 +50,13 @@ def _hist_window(u, valid, lo, NB: tl.constexpr, bins, TILE: tl.constexpr):
     return tl.where(inwin, tl.gather(h, tl.where(inwin, rel, 0), 0), 0)
 
 
-def _ballot_ptx() -> str:
-    # %m: lanes with a valid bin; for each of bits 0-4, keep the lanes whose bit equals this
-    # lane's (xor with (lane bit - 1) inverts the vote where the lane's bit is 0); bit 5 splits
-    # the result into bin lane and bin lane + 32
-    bit = """
-        and.b32 %t, $1, {m};
-        setp.ne.u32 %p, %t, 0;
-        vote.sync.ballot.b32 %b, %p, -1;
-        bfe.u32 %k, %l, {i}, 1;
-        sub.u32 %k, %k, 1;
-        xor.b32 %b, %b, %k;
-        and.b32 %m, %m, %b;"""
-    return ("""{
-        .reg .pred %p;
-        .reg .b32 %m, %b, %t, %l, %k;
-        mov.u32 %l, %laneid;
-        setp.lt.u32 %p, $1, 64;
-        vote.sync.ballot.b32 %m, %p, -1;"""
-            + "".join(bit.format(m=1 << i, i=i) for i in range(5))
-            + """
-        and.b32 %t, $1, 32;
-        setp.ne.u32 %p, %t, 0;
-        vote.sync.ballot.b32 %b, %p, -1;
-        and.b32 %k, %m, %b;
-        not.b32 %b, %b;
-        and.b32 %t, %m, %b;
-        popc.b32 %t, %t;
-        popc.b32 %k, %k;
-        shl.b32 %k, %k, 16;
-        or.b32 $0, %t, %k;
-        }""")
-
-
-_BALLOT_PTX = tl.constexpr(_ballot_ptx())  # a global a @triton.jit function reads
-
-
 @triton.jit
-def _ballot_hist64(sel):
-    # A warp-level histogram over 64 bins (sel in [0, 64); anything else is not counted), one
-    # element slot at a time: the 32 lanes vote on each bit of their element's bin, lane L keeps
-    # the lanes whose bits spell L (bin L) or L + 32 and counts them. Returns, per slot, bin L's
-    # count | bin (L + 32)'s count << 16. No shared memory and no atomics: tl.histogram's
-    # shared-memory atomics serialize on the few bins a tensor's exponents fall in. GPU only
-    # (the interpreter cannot run PTX); every lane of the warp must reach it (uniform code).
-    return tl.inline_asm_elementwise(
-        asm=_BALLOT_PTX,
-        constraints="=r,r", args=[sel], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit(do_not_specialize=["n_full"])
-def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
-                       FP8: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
-                       U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
-                       SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
-                       BALLOT: tl.constexpr = 0):
-    # PARTS (benchmarks only, to see where time goes): 1 = format counts, 2 = histogram
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
+                   SCALED: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                   SUM32: tl.constexpr, PARTS: tl.constexpr, BALLOT: tl.constexpr):
+    # Every case (NaN/Inf, scaled thresholds, float32 subnormals): the row's scalar fields as a
+    # 32-vector, the histogram, and the ballot histogram's per-lane counts and window.
     TILE: tl.constexpr = U * T * V
-    if HAS_SCALE_PTR:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    else:
-        scale = scale_val
-    lanes = tl.arange(0, TILE)
     bins = tl.arange(0, HBINS)
     zt = tl.zeros([T], dtype=tl.int32)
     nzall = zt    # nonzero lanes, NaN/Inf included
@@ -194,20 +95,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     for start in range(pid * TILE, n_full, step):
         cur = nxt
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
-        # a 1-D load (16-byte vectors, coalesced) seen as [U, T, V]: thread t holds [:, t, :]
-        raw = tl.reshape(cur, [U, T, V])
-        if FP8 == 1:
-            x = _decode_fp8(raw.to(tl.int32), False)
-            bits = x.to(tl.int32, bitcast=True)
-        elif FP8 == 2:
-            x = _decode_fp8(raw.to(tl.int32), True)
-            bits = x.to(tl.int32, bitcast=True)
-        elif FP8 == 3:  # bf16 bits (int16, sign-extended): the shift drops the extension
-            bits = raw.to(tl.int32) << 16
-            x = bits.to(tl.float32, bitcast=True)
-        else:
-            x = raw.to(tl.float32)
-            bits = x.to(tl.int32, bitcast=True)
+        x, bits = _decode_tile(cur, FP8, U, T, V)
         u = bits & _MAXI
         nz = u != 0
         nz_t = _tsum(nz.to(tl.int32))
@@ -285,24 +173,10 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                                  mask=tl.reshape(valid, [TILE]))
 
     nonfin = c_nan + c_pinf + c_ninf
-    if pid == 0:
-        tl.atomic_add(out_ptr + 0, n_full.to(tl.float64))
-    tl.atomic_add(out_ptr + 1, c_nan.to(tl.float64))
-    tl.atomic_add(out_ptr + 2, c_pinf.to(tl.float64))
-    tl.atomic_add(out_ptr + 3, c_ninf.to(tl.float64))
     mine = tl.cdiv(tl.maximum(n_full - pid * TILE, 0), nprog * TILE) * TILE  # lanes I read
     nza = tl.sum(nzall, 0)
-    tl.atomic_add(out_ptr + 4, (mine - nza).to(tl.float64))
-    tl.atomic_min(out_ptr + 5, tl.min(mn, 0).to(tl.float64))
-    tl.atomic_max(out_ptr + 6, tl.max(mx, 0).to(tl.float64))
     am = tl.max(amx, 0)
-    amax = tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True))
-    tl.atomic_max(out_ptr + 7, amax.to(tl.float64))
     an = tl.min(amn, 0)
-    amin = tl.where(an == _MAXI, float("inf"), an.to(tl.float32, bitcast=True))
-    tl.atomic_min(out_ptr + 8, amin.to(tl.float64))
-    tl.atomic_add(out_ptr + 9, tl.sum(s1, 0))
-    tl.atomic_add(out_ptr + 10, tl.sum(s2, 0))
     # overflow = #(y > max) among finite x; underflow = nonzero finite x minus #(y > half-sub);
     # subnormal = #(y > half-sub) - #(y >= subnormal limit). NaN/Inf x have y above every
     # threshold, so they are taken out of each count.
@@ -310,24 +184,74 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     g_h4 = tl.sum(ch4, 0) - nonfin
     g_h5 = tl.sum(ch5, 0) - nonfin
     g_h6 = tl.sum(ch6, 0) - nonfin
-    tl.atomic_add(out_ptr + O_E4 + 0, (tl.sum(cm4, 0) - nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E4 + 1, (nzf - g_h4).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E4 + 2, (g_h4 - tl.sum(cs4, 0) + nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 0, (tl.sum(cm5, 0) - nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 1, (nzf - g_h5).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 2, (g_h5 - tl.sum(cs5, 0) + nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 0, (tl.sum(cm6, 0) - nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 1, (nzf - g_h6).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 2, (g_h6 - tl.sum(cs6, 0) + nonfin).to(tl.float64))
-    tl.atomic_add(out_ptr + O_HIST - 2, tl.sum(blo, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_HIST - 1, tl.sum(bhi, 0).to(tl.float64))
+    idx = tl.arange(0, 32)
+    v = tl.zeros([32], dtype=tl.float64)
+    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, 1, c_nan)
+    v = _put(v, idx, 2, c_pinf)
+    v = _put(v, idx, 3, c_ninf)
+    v = _put(v, idx, 4, mine - nza)
+    v = _put(v, idx, 5, tl.min(mn, 0))
+    v = _put(v, idx, 6, tl.max(mx, 0))
+    v = _put(v, idx, 7, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
+    v = _put(v, idx, 8, tl.where(an == _MAXI, float("inf"), an.to(tl.float32, bitcast=True)))
+    v = _put(v, idx, 9, tl.sum(s1, 0))
+    v = _put(v, idx, 10, tl.sum(s2, 0))
+    v = _put(v, idx, O_E4 + 0, tl.sum(cm4, 0) - nonfin)
+    v = _put(v, idx, O_E4 + 1, nzf - g_h4)
+    v = _put(v, idx, O_E4 + 2, g_h4 - tl.sum(cs4, 0) + nonfin)
+    v = _put(v, idx, O_E5 + 0, tl.sum(cm5, 0) - nonfin)
+    v = _put(v, idx, O_E5 + 1, nzf - g_h5)
+    v = _put(v, idx, O_E5 + 2, g_h5 - tl.sum(cs5, 0) + nonfin)
+    v = _put(v, idx, O_F16 + 0, tl.sum(cm6, 0) - nonfin)
+    v = _put(v, idx, O_F16 + 1, nzf - g_h6)
+    v = _put(v, idx, O_F16 + 2, g_h6 - tl.sum(cs6, 0) + nonfin)
+    v = _put(v, idx, O_HIST - 2, tl.sum(blo, 0))
+    v = _put(v, idx, O_HIST - 1, tl.sum(bhi, 0))
+    return v, hist, hc0, hc1, e0
+
+
+@triton.jit(do_not_specialize=["n_full"])
+def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
+                       FP8: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
+                       U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                       SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
+                       BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0):
+    # PARTS (benchmarks only, to see where time goes): 1 = format counts, 2 = histogram.
+    # FAST (unscaled only): 1 = the fast pass with tl.histogram, 2 = with the lane histogram
+    # in shared memory (GPU); a program whose data needs it runs the careful pass instead.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    TILE: tl.constexpr = U * T * V
+    if HAS_SCALE_PTR:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = scale_val
+    lanes = tl.arange(0, TILE)
+    if FAST:
+        clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
+                                     FAST == 2)
+        hc0 = tl.zeros([T], dtype=tl.int32)
+        hc1 = hc0
+        e0 = pid * 0 + 31
+        if clean == 0:
+            v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
+                                                   SCALED, U, T, V, SUM32, PARTS, 0)
+    else:
+        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
+                                               SCALED, U, T, V, SUM32, PARTS, BALLOT)
+    idx = tl.arange(0, 32)
+    _emit_scalars(out_ptr, idx, v)
+    bins = tl.arange(0, HBINS)
     # empty bins are skipped: most of a row's atomics otherwise, and they serialize on the row
-    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0)
-    if BALLOT:
+    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,
+                  sem="relaxed")
+    if BALLOT and not FAST:
         lane = tl.arange(0, T) % 32
-        tl.atomic_add(out_ptr + O_HIST + (e0 - 31) + lane, hc0.to(tl.float64), mask=hc0 != 0)
+        tl.atomic_add(out_ptr + O_HIST + (e0 - 31) + lane, hc0.to(tl.float64), mask=hc0 != 0,
+                      sem="relaxed")
         tl.atomic_add(out_ptr + O_HIST + (e0 - 31) + 32 + lane, hc1.to(tl.float64),
-                      mask=hc1 != 0)
+                      mask=hc1 != 0, sem="relaxed")
 
 
 def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
@@ -345,11 +269,14 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
 def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: bool,
                 scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
                 sum32: bool = False, parts: int = 3, ballot: bool = False,
-                direct: bool = False) -> None:
-    """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size."""
+                direct: bool = False, fast: int = 0) -> None:
+    """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
+    fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
+    histogram (GPU only); ignored (0) when scaled."""
     u, t, v = shape
+    fast = 0 if scaled else fast
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
-                  PARTS=parts, BALLOT=int(ballot))
+                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast)
     if direct:  # compiled (not the interpreter): launch.FastLaunch
         _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps)
     else:

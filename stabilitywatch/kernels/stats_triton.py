@@ -33,6 +33,8 @@ F16_MAX, F16_HS, F16_SL = (tl.constexpr(_F16.max), tl.constexpr(_F16.underflow_t
 O_E4, O_E5, O_F16 = (tl.constexpr(FMT_BASE[Fmt.E4M3]), tl.constexpr(FMT_BASE[Fmt.E5M2]),
                      tl.constexpr(FMT_BASE[Fmt.FP16]))
 O_HIST = tl.constexpr(int(Stat.HIST))
+S_MIN, S_MAX, S_AMAX, S_AMIN = (tl.constexpr(int(Stat.MIN)), tl.constexpr(int(Stat.MAX)),
+                                tl.constexpr(int(Stat.ABSMAX)), tl.constexpr(int(Stat.ABSMIN_NZ)))
 HBINS = tl.constexpr(HIST_BINS)
 HEMIN = tl.constexpr(HIST_EMIN)
 
@@ -67,17 +69,41 @@ def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, SUB_LIMIT
     return over, under, sub
 
 
+@triton.jit
+def _put(v, idx, i: tl.constexpr, x):
+    return tl.where(idx == i, x.to(tl.float64), v)
+
+
+@triton.jit
+def _emit_scalars(out_ptr, idx, v):
+    # The row's scalar fields (v[i] for field i < O_HIST) in three vector atomics, relaxed and
+    # with no use of the returned value. One scalar atomic per field instead compiles to
+    # barrier, thread-0 acq_rel atomic, barrier: about 25 round trips at the end of every
+    # program, most of a small tensor's GPU time (the PTX shows it).
+    is_min = (idx == S_MIN) | (idx == S_AMIN)
+    is_max = (idx == S_MAX) | (idx == S_AMAX)
+    is_sum = (idx < O_HIST) & (is_min == 0) & (is_max == 0)
+    tl.atomic_add(out_ptr + idx, v, mask=is_sum & (v != 0), sem="relaxed")
+    tl.atomic_min(out_ptr + idx, v, mask=is_min & (v != float("inf")), sem="relaxed")
+    tl.atomic_max(out_ptr + idx, v, mask=is_max & (v != float("-inf")), sem="relaxed")
+
+
 # n is never specialised: an int argument equal to 1 would become a compile-time Python int on
 # the GPU, and `n.to(...)` below would not compile for one-element tensors.
 @triton.jit(do_not_specialize=["n"])
 def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
                       FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     if HAS_SCALE_PTR:
         scale = tl.load(scale_ptr).to(tl.float32)
     else:
         scale = scale_val
+    _general_row(x_ptr, out_ptr, scale, n, tl.program_id(0), tl.num_programs(0), FP8, BLOCK)
+
+
+@triton.jit
+def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    # this program's share (blocks pid, pid + nprog, ...) of n elements at x_ptr, merged into
+    # the row at out_ptr
     lanes = tl.arange(0, BLOCK)
     zi = tl.zeros([BLOCK], dtype=tl.int32)
     c_nan = zi
@@ -157,35 +183,37 @@ def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
         # lanes that are not nonzero-finite go to bin 0 and are taken back out below
         hist += tl.histogram(tl.where(nz, b, 0), HBINS)
 
-    if pid == 0:
-        tl.atomic_add(out_ptr + 0, n.to(tl.float64))
-    tl.atomic_add(out_ptr + 1, tl.sum(c_nan, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + 2, tl.sum(c_pinf, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + 3, tl.sum(c_ninf, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + 4, tl.sum(c_zero, 0).to(tl.float64))
-    tl.atomic_min(out_ptr + 5, tl.min(mn, 0).to(tl.float64))
-    tl.atomic_max(out_ptr + 6, tl.max(mx, 0).to(tl.float64))
-    tl.atomic_max(out_ptr + 7, tl.max(amx, 0).to(tl.float64))
-    tl.atomic_min(out_ptr + 8, tl.min(amn, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + 9, tl.sum(s1, 0))
-    tl.atomic_add(out_ptr + 10, tl.sum(s2, 0))
-    tl.atomic_add(out_ptr + O_E4 + 0, tl.sum(e4o, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E4 + 1, tl.sum(e4u, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E4 + 2, tl.sum(e4s, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 0, tl.sum(e5o, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 1, tl.sum(e5u, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_E5 + 2, tl.sum(e5s, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 0, tl.sum(f16o, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 1, tl.sum(f16u, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_F16 + 2, tl.sum(f16s, 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_HIST - 2, tl.sum(blo.to(tl.int64), 0).to(tl.float64))
-    tl.atomic_add(out_ptr + O_HIST - 1, tl.sum(bhi.to(tl.int64), 0).to(tl.float64))
+    idx = tl.arange(0, 32)
+    v = tl.zeros([32], dtype=tl.float64)
+    v = _put(v, idx, 0, tl.where(pid == 0, n, 0))
+    v = _put(v, idx, 1, tl.sum(c_nan, 0))
+    v = _put(v, idx, 2, tl.sum(c_pinf, 0))
+    v = _put(v, idx, 3, tl.sum(c_ninf, 0))
+    v = _put(v, idx, 4, tl.sum(c_zero, 0))
+    v = _put(v, idx, 5, tl.min(mn, 0))
+    v = _put(v, idx, 6, tl.max(mx, 0))
+    v = _put(v, idx, 7, tl.max(amx, 0))
+    v = _put(v, idx, 8, tl.min(amn, 0))
+    v = _put(v, idx, 9, tl.sum(s1, 0))
+    v = _put(v, idx, 10, tl.sum(s2, 0))
+    v = _put(v, idx, O_E4 + 0, tl.sum(e4o, 0))
+    v = _put(v, idx, O_E4 + 1, tl.sum(e4u, 0))
+    v = _put(v, idx, O_E4 + 2, tl.sum(e4s, 0))
+    v = _put(v, idx, O_E5 + 0, tl.sum(e5o, 0))
+    v = _put(v, idx, O_E5 + 1, tl.sum(e5u, 0))
+    v = _put(v, idx, O_E5 + 2, tl.sum(e5s, 0))
+    v = _put(v, idx, O_F16 + 0, tl.sum(f16o, 0))
+    v = _put(v, idx, O_F16 + 1, tl.sum(f16u, 0))
+    v = _put(v, idx, O_F16 + 2, tl.sum(f16s, 0))
+    v = _put(v, idx, O_HIST - 2, tl.sum(blo.to(tl.int64), 0))
+    v = _put(v, idx, O_HIST - 1, tl.sum(bhi.to(tl.int64), 0))
+    _emit_scalars(out_ptr, idx, v)
     bins = tl.arange(0, HBINS)
     n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
     excess = tl.maximum(n_iter, 0) * BLOCK - tl.sum(c_nz, 0)
     hist = hist - tl.where(bins == 0, excess, 0)
     # empty bins are skipped: most of a small tensor's atomics otherwise
-    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0)
+    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0, sem="relaxed")
 
 
 # dtypes read as raw bits (FP8 code: 1 e4m3, 2 e5m2, 3 bf16) and the integer view used to read them
@@ -227,7 +255,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
-    direct (False: launch through Triton's own launcher)."""
+    direct (False: launch through Triton's own launcher), fast (stats_tile.launch_tile)."""
     n = flat.numel()
     if n == 0:
         return
@@ -238,10 +266,10 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)
-    tune = tune or {}
+    tune = tune or _NO_TUNE
     cuda = flat.device.type == "cuda" and not _interpreting()
     if tune.get("kernel") != "general":
-        from .stats_tile import launch_tile, tile_shape
+        launch_tile, tile_shape = _tile()
         warps = tune.get("num_warps", 4)
         shape = tile_shape(x.element_size(), not cuda, warps, tune.get("u"))
         tile = shape[0] * shape[1] * shape[2]
@@ -252,7 +280,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                         has_ptr or scale_val != 1.0, fp8, shape, min(n_full // tile, limit),
                         num_warps=warps, sum32=tune.get("sum32", False),
                         parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
-                        direct=cuda and tune.get("direct", True))
+                        direct=cuda and tune.get("direct", True),
+                        fast=tune.get("fast", 2 if cuda else 1))
             if n_full == n:
                 return
             x, n = x[n_full:], n - n_full
@@ -265,6 +294,13 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
 
 
 _fast_general = FastLaunch(_row_stats_kernel)
+_NO_TUNE: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _tile():
+    from .stats_tile import launch_tile, tile_shape  # imports this module: not at the top
+    return launch_tile, tile_shape
 
 
 def triton_row(flat: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch.Tensor:

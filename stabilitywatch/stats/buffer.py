@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..kernels.dispatch import accumulate
+from ..kernels.dispatch import accumulate, accumulate_many, batchable
 from .derive import derive_many
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
 
@@ -68,6 +68,7 @@ class _DeviceRows:
         self.device = device
         # one extra column: the scale of tensor-valued scales (FP8 recipes), read with the rows
         self.rows = init_row_tensor(device, capacity)
+        self.views = self.rows.unbind(0)  # one view per row, made once (indexing costs ~3 us)
         self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
         self.init = init_row_tensor(device, capacity)
         self.pinned_pool: list[torch.Tensor] = []
@@ -79,6 +80,7 @@ class _DeviceRows:
         scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=self.device)
         scale[: self.scale.shape[0]].copy_(self.scale)
         self.rows, self.scale = rows, scale
+        self.views = rows.unbind(0)
         self.init = init_row_tensor(self.device, capacity)
         self.pinned_pool.clear()
 
@@ -124,6 +126,29 @@ class StatsBuffer:
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
+        _, row = self._prepare(t, module, role, phase, scale, overwrite)
+        accumulate(t, row, scale, self.backend)
+
+    def add_many(self, items: list, phase: int, overwrite: bool = False) -> None:
+        """add() for each (tensor, module, role, scale) of items; the small tensors at scale 1
+        that the kernel reads share one launch per device and dtype (kernels/stats_multi.py)."""
+        groups: dict = {}
+        for t, module, role, scale in items:
+            slot, row = self._prepare(t, module, role, phase, scale, overwrite)
+            if batchable(t, scale, self.backend):
+                groups.setdefault(t.device, ([], []))
+                ts, slots = groups[t.device]
+                ts.append(t)
+                slots.append(slot)
+            else:
+                accumulate(t, row, scale, self.backend)
+        for device, (ts, slots) in groups.items():
+            # after every _prepare: rows may have grown (a new tensor) while preparing
+            accumulate_many(ts, self._dev[device].rows, slots)
+
+    def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
+                 overwrite: bool) -> tuple[int, torch.Tensor]:
+        # the slot of (module, role), made on first sight; its row made ready for this write
         key = (module, role)
         slot = self.slot_of.get(key)
         if slot is None:
@@ -133,14 +158,14 @@ class StatsBuffer:
         dev = self._rows_on(t.device)
         if self.device_of[slot] is None:
             self.device_of[slot] = t.device
-        row = dev.rows[slot]
+        row = dev.views[slot]
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
         elif overwrite:  # begin_step reset every row: only a second write this step needs this
             row.copy_(dev.init[slot])
         if isinstance(scale, torch.Tensor):
             dev.scale[slot].copy_(scale.detach().reshape(1))
-        accumulate(t, row, scale, self.backend)
+        return slot, row
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""

@@ -90,6 +90,16 @@ class DerivedRow(Mapping):
         """This value for every row of the frame (the shared column)."""
         return self._cols[key]
 
+    @property
+    def table(self) -> dict:
+        """The frame's shared columns (name -> list of values, one per row)."""
+        return self._cols
+
+    @property
+    def index(self) -> int:
+        """This row's position in the columns."""
+        return self._i
+
     def __repr__(self) -> str:
         return repr(dict(self))
 

@@ -1,0 +1,152 @@
+"""Inline PTX used by the tile kernel on the GPU (the interpreter cannot run PTX; the kernels
+take tl.histogram there instead).
+
+- A warp-ballot histogram over a 64-bin window (_ballot_hist64).
+- A lane-private exponent histogram in shared memory (_lane_hist_*): 256 bins (the float32
+  exponent field of |x|, zeros in bin 0, Inf/NaN in bin 255) times 32 columns, one per lane of a
+  warp, shared by the warps of a program. One `red.shared.add` per element: the 32 lanes of a
+  warp always write 32 different banks, so nothing serializes, whatever the data. (tl.histogram
+  keeps one shared counter per bin: the lanes of a warp collide on the few bins a tensor's
+  exponents fall in.) 32 KiB of static shared memory per program.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _ballot_ptx() -> str:
+    # %m: lanes with a valid bin; for each of bits 0-4, keep the lanes whose bit equals this
+    # lane's (xor with (lane bit - 1) inverts the vote where the lane's bit is 0); bit 5 splits
+    # the result into bin lane and bin lane + 32
+    bit = """
+        and.b32 %t, $1, {m};
+        setp.ne.u32 %p, %t, 0;
+        vote.sync.ballot.b32 %b, %p, -1;
+        bfe.u32 %k, %l, {i}, 1;
+        sub.u32 %k, %k, 1;
+        xor.b32 %b, %b, %k;
+        and.b32 %m, %m, %b;"""
+    return ("""{
+        .reg .pred %p;
+        .reg .b32 %m, %b, %t, %l, %k;
+        mov.u32 %l, %laneid;
+        setp.lt.u32 %p, $1, 64;
+        vote.sync.ballot.b32 %m, %p, -1;"""
+            + "".join(bit.format(m=1 << i, i=i) for i in range(5))
+            + """
+        and.b32 %t, $1, 32;
+        setp.ne.u32 %p, %t, 0;
+        vote.sync.ballot.b32 %b, %p, -1;
+        and.b32 %k, %m, %b;
+        not.b32 %b, %b;
+        and.b32 %t, %m, %b;
+        popc.b32 %t, %t;
+        popc.b32 %k, %k;
+        shl.b32 %k, %k, 16;
+        or.b32 $0, %t, %k;
+        }""")
+
+
+_BALLOT_PTX = tl.constexpr(_ballot_ptx())  # a global a @triton.jit function reads
+
+
+@triton.jit
+def _ballot_hist64(sel):
+    # A warp-level histogram over 64 bins (sel in [0, 64); anything else is not counted), one
+    # element slot at a time: the 32 lanes vote on each bit of their element's bin, lane L keeps
+    # the lanes whose bits spell L (bin L) or L + 32 and counts them. Returns, per slot, bin L's
+    # count | bin (L + 32)'s count << 16. No shared memory and no atomics. GPU only; every lane
+    # of the warp must reach it (uniform code).
+    return tl.inline_asm_elementwise(
+        asm=_BALLOT_PTX,
+        constraints="=r,r", args=[sel], dtype=tl.int32, is_pure=True, pack=1)
+
+
+LANE_HIST_BINS = tl.constexpr(256)
+
+# Declares the table, zeroes it with the program's threads and returns its address. Called on
+# a scalar, so that it appears once in the kernel whatever layout Triton picks for tensors (a
+# second copy of the declaration does not assemble). The caller puts a barrier between this and
+# the first count.
+_LANE_HIST_INIT = tl.constexpr("""
+    .shared .align 16 .b32 sw_lane_hist[8192];
+    {
+    .reg .pred %p;
+    .reg .b32 %i, %n, %a, %b;
+    mov.u32 %b, sw_lane_hist;
+    mov.u32 %i, %tid.x;
+    mov.u32 %n, %ntid.x;
+    sw_lane_hist_zero:
+    setp.ge.u32 %p, %i, 2048;
+    @%p bra sw_lane_hist_done;
+    shl.b32 %a, %i, 4;
+    add.u32 %a, %a, %b;
+    st.shared.v4.u32 [%a], {0, 0, 0, 0};
+    add.u32 %i, %i, %n;
+    bra sw_lane_hist_zero;
+    sw_lane_hist_done:
+    mov.u32 $0, %b;
+    }""")
+
+# One count: bin = exponent field of u (u = |x| bits, so 0..255), word bin * 32 + lane, at
+# table + 4 * (bin * 32 + lane). ptxas reads the lane id once for all the copies of this asm.
+_LANE_HIST_COUNT = tl.constexpr("""{
+    .reg .b32 %l;
+    mov.u32 %l, %laneid;
+    shr.u32 $0, $1, 23;
+    shl.b32 $0, $0, 5;
+    add.u32 $0, $0, %l;
+    shl.b32 $0, $0, 2;
+    add.u32 $0, $0, $2;
+    red.shared.add.u32 [$0], 1;
+    }""")
+
+
+def _lane_hist_read_ptx() -> str:
+    # bin $1's total over the 32 columns; lane L starts at column L so that the lanes of a warp
+    # read 32 different banks at each step
+    step = """
+    add.u32 %c, %l, {j};
+    and.b32 %c, %c, 31;
+    shl.b32 %c, %c, 2;
+    add.u32 %c, %c, %a;
+    ld.shared.u32 %v, [%c];
+    add.u32 %s, %s, %v;"""
+    return ("""{
+    .reg .b32 %a, %c, %l, %s, %v;
+    mov.u32 %l, %laneid;
+    mov.u32 %a, sw_lane_hist;
+    shl.b32 %c, $1, 7;
+    add.u32 %a, %a, %c;
+    mov.u32 %s, 0;"""
+            + "".join(step.format(j=j) for j in range(32))
+            + """
+    mov.u32 $0, %s;
+    }""")
+
+
+_LANE_HIST_READ = tl.constexpr(_lane_hist_read_ptx())
+
+
+@triton.jit
+def _lane_hist_init(zero):
+    # zero: a scalar (0); returns the table's shared-memory address (the same in every thread)
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_INIT, constraints="=r,r", args=[zero],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_count(u, table):
+    # u: |x| bit patterns; table: from _lane_hist_init. The result (the word's address) is not
+    # used.
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT, constraints="=r,r,r",
+                                     args=[u, table + tl.zeros_like(u)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_read(bins):
+    # bins: tl.arange(0, 256); after a barrier that follows the last count
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_READ, constraints="=r,r", args=[bins],
+                                     dtype=tl.int32, is_pure=False, pack=1)

@@ -1,0 +1,68 @@
+"""Many tensors of one dtype in one launch: a pointer table on the device, a 2-D grid (tensor,
+program), each program running the general kernel's body on its share of its tensor.
+
+A step reads hundreds of small tensors at once (the parameters, gradients and optimizer state of
+LayerNorms and biases): one launch each cost ~20-30 us of host time and a kernel's fixed GPU
+time. Here the host builds one table (address, element count, row slot) per batch and makes one
+launch, whatever the number of tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..stats.layout import N_STATS
+from .launch import FastLaunch
+from .stats_triton import _FP8_CODE, _general_row, _interpreting
+
+ROW = tl.constexpr(N_STATS)
+# how the program reads its tensor: 0 float32, 1 float16, 2 fp8 bytes, 3 bf16 bits
+_ELT = {torch.float32: 0, torch.float16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2,
+        torch.bfloat16: 3}
+MULTI_MAX = 1 << 17   # larger tensors get their own launch (the tile kernel reads them faster)
+_BLOCK = 1024
+_PER_PROGRAM = 8 * _BLOCK  # elements per program, about
+
+
+@triton.jit
+def _multi_row_kernel(table_ptr, rows_ptr, FP8: tl.constexpr, ELT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    addr = tl.load(table_ptr + 3 * i)
+    n = tl.load(table_ptr + 3 * i + 1)
+    slot = tl.load(table_ptr + 3 * i + 2)
+    if ELT == 0:
+        x_ptr = addr.to(tl.pointer_type(tl.float32))
+    elif ELT == 1:
+        x_ptr = addr.to(tl.pointer_type(tl.float16))
+    elif ELT == 2:
+        x_ptr = addr.to(tl.pointer_type(tl.uint8))
+    else:
+        x_ptr = addr.to(tl.pointer_type(tl.int16))
+    _general_row(x_ptr, rows_ptr + slot * ROW, 1.0, n, tl.program_id(1), tl.num_programs(1),
+                 FP8, BLOCK)
+
+
+def launch_many(flats: list, rows: torch.Tensor, slots: list) -> None:
+    """Merge the statistics of each 1-D contiguous tensor flats[k] (one dtype, on rows' device,
+    each at most MULTI_MAX elements) into rows[slots[k]] (scale 1). No host sync."""
+    if not flats:
+        return
+    dtype = flats[0].dtype
+    cuda = rows.device.type == "cuda" and not _interpreting()
+    vals = []
+    for f, s in zip(flats, slots):
+        vals += (f.data_ptr(), f.numel(), s)
+    # the pinned buffer is kept by the caching host allocator until the copy has run
+    table = torch.tensor(vals, dtype=torch.int64, pin_memory=cuda).to(rows.device,
+                                                                      non_blocking=True)
+    per = max(1, min(32, -(-max(f.numel() for f in flats) // _PER_PROGRAM)))
+    consts = dict(FP8=_FP8_CODE.get(dtype, 0), ELT=_ELT[dtype], BLOCK=_BLOCK)
+    if cuda:
+        _launch((len(flats), per), (table, rows), consts, 4)
+    else:  # the interpreter
+        _multi_row_kernel[(len(flats), per)](table, rows, **consts)
+
+
+_launch = FastLaunch(_multi_row_kernel)

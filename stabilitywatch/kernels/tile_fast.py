@@ -1,0 +1,146 @@
+"""The tile kernel's fast pass: no per-tile block-wide reductions and no branches, for the usual
+case of finite values and scale 1.
+
+Per element it keeps running extrema, float64 sums, the fingerprint, seven threshold counts
+(E4M3 max, the three underflow thresholds and the three subnormal limits; each the sign bit of
+threshold - u, two instructions) and one count in a 256-bin histogram of the float32 exponent
+field of |x| (zeros in bin 0, Inf/NaN in bin 255). The rest comes from that histogram once, at
+the end: zeros, the nonzero count (hence underflow = nonzero - #(u > threshold)), the E5M2 and
+fp16 overflow counts, and the row's 128 bins.
+
+Those derivations are exact only when the program's data has none of:
+- Inf or NaN (bin 255),
+- a float32 subnormal (it would sit in bin 0 with the zeros),
+- a value in [2^15, 2^16), the bin that holds the E5M2 and fp16 maxima,
+- a value of 2^60 or more (its square could overflow float32 before the float64 sum).
+A program that meets one of these (one flag, decided once at the end) runs the careful pass
+(stats_tile._careful_tiles) over its tiles instead: rare data pays a second read, the rest
+pays nothing for it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .ptx import _lane_hist_count, _lane_hist_init, _lane_hist_read
+from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
+                       TS5, TS6, _decode_tile, _tmax, _tmin, _tsum)
+from .stats_triton import _put
+
+
+def _field(bits: int) -> int:
+    return bits >> 23
+
+
+assert _field(TM5.value) == _field(TM6.value) == 142 and _field(TM4.value) < 142
+F_MAXBIN = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
+F_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
+
+
+@triton.jit
+def _between(h, f, lo, hi):
+    # sum of h over exponent fields lo <= f < hi
+    return tl.sum(tl.where((f >= lo) & (f < hi), h, 0), 0)
+
+
+@triton.jit
+def _above(u, T: tl.constexpr):
+    # 1 where u > T, both in [0, 2^31): the sign bit of T - u (ptxas: IADD and LEA.HI into the
+    # count, where a compare costs ISETP, SEL and an add)
+    # (-(u - T), not T - u: the interpreter keeps constexpr - tensor a constexpr)
+    return ((-(u - T)).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
+                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr):
+    # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
+    # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
+    # of tl.histogram.
+    TILE: tl.constexpr = U * T * V
+    zt = tl.zeros([T], dtype=tl.int32)
+    cm4, cs4, cs5, cs6, ch4, ch5, ch6 = zt, zt, zt, zt, zt, zt, zt
+    um1 = tl.full([T], 0xFFFFFFFF, tl.uint32)  # min of |x| bits - 1: zeros wrap to the top
+    mn = tl.full([T], float("inf"), tl.float32)
+    mx = tl.full([T], float("-inf"), tl.float32)
+    s1 = tl.zeros([T], dtype=tl.float64)
+    s2 = tl.zeros([T], dtype=tl.float64)
+    blo = tl.zeros([T], dtype=tl.int64)
+    bhi = tl.zeros([T], dtype=tl.int64)
+    f = tl.arange(0, 256)
+    h = tl.zeros([256], dtype=tl.int32)
+    if LANE:
+        table = _lane_hist_init(pid * 0)
+        tl.debug_barrier()
+    step = nprog * TILE
+    last = n_full - TILE
+    nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
+    for start in range(pid * TILE, n_full, step):
+        cur = nxt
+        nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
+        x, bits = _decode_tile(cur, FP8, U, T, V)
+        u = bits & 0x7FFFFFFF
+        mn = tl.minimum(mn, _tmin(x))
+        mx = tl.maximum(mx, _tmax(x))
+        um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
+        if SUM32:
+            s1 += _tsum(x).to(tl.float64)
+            s2 += _tsum(x * x).to(tl.float64)
+        else:
+            x64 = x.to(tl.float64)
+            s1 += _tsum(x64)
+            s2 += _tsum(x64 * x64)
+        if FP8 == 0:  # the low half is zero for bf16 and fp8 values
+            blo += _tsum(bits & 0xFFFF).to(tl.int64)
+        bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
+        cm4 += _tsum(_above(u, TM4))
+        ch4 += _tsum(_above(u, TH4))
+        ch5 += _tsum(_above(u, TH5))
+        ch6 += _tsum(_above(u, TH6))
+        cs4 += _tsum(_above(u, TS4))
+        cs5 += _tsum(_above(u, TS5))
+        cs6 += _tsum(_above(u, TS6))
+        if LANE:
+            _lane_hist_count(u, table)
+        else:
+            h += tl.histogram(tl.reshape(u >> 23, [TILE]), 256)
+    if LANE:
+        tl.debug_barrier()
+        h = _lane_hist_read(f)
+    m1 = tl.min(um1, 0)
+    clean = ((_between(h, f, F_MAXBIN, F_MAXBIN + 1) + _between(h, f, F_BIG, 256) == 0)
+             & (m1 >= 0x7FFFFF))
+    lo_mn = tl.min(mn, 0)
+    hi_mx = tl.max(mx, 0)
+    idx = tl.arange(0, 32)
+    v = tl.zeros([32], dtype=tl.float64)
+    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, 4, _between(h, f, 0, 1))
+    v = _put(v, idx, 5, lo_mn)
+    v = _put(v, idx, 6, hi_mx)
+    v = _put(v, idx, 7, tl.maximum(-lo_mn, hi_mx))
+    v = _put(v, idx, 8, tl.where(m1 == 0xFFFFFFFF, float("inf"),
+                                 (m1 + 1).to(tl.float32, bitcast=True)))
+    v = _put(v, idx, 9, tl.sum(s1, 0))
+    v = _put(v, idx, 10, tl.sum(s2, 0))
+    over = _between(h, f, F_MAXBIN + 1, 255)
+    v = _put(v, idx, O_E4 + 0, tl.sum(cm4, 0))
+    nz = _between(h, f, 1, 255)
+    g4, g5, g6 = tl.sum(ch4, 0), tl.sum(ch5, 0), tl.sum(ch6, 0)
+    v = _put(v, idx, O_E4 + 1, nz - g4)
+    v = _put(v, idx, O_E4 + 2, g4 - tl.sum(cs4, 0))
+    v = _put(v, idx, O_E5 + 0, over)
+    v = _put(v, idx, O_E5 + 1, nz - g5)
+    v = _put(v, idx, O_E5 + 2, g5 - tl.sum(cs5, 0))
+    v = _put(v, idx, O_F16 + 0, over)
+    v = _put(v, idx, O_F16 + 1, nz - g6)
+    v = _put(v, idx, O_F16 + 2, g6 - tl.sum(cs6, 0))
+    v = _put(v, idx, O_HIST - 2, tl.sum(blo, 0))
+    v = _put(v, idx, O_HIST - 1, tl.sum(bhi, 0))
+    # row bin b holds exponent field b + 31; bin 0 also fields 1..30, bin 127 fields 159..254
+    b = tl.arange(0, HBINS)
+    cum = tl.cumsum(h, 0)
+    top = tl.where(b == HBINS - 1, 254, b + 31)
+    below = tl.where(b == 0, 0, b + 30)
+    hist = tl.gather(cum, top, 0) - tl.gather(cum, below, 0)
+    return clean.to(tl.int32), v, hist
