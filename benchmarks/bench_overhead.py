@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import sys
 import tempfile
 import time
@@ -75,6 +76,14 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
+    # the previous configuration's model, optimizer and monitor hold each other in reference
+    # cycles: collect them, or their memory counts in this configuration's peak
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated()
+        if left > 2**20:
+            print(f"# {kind}: {left / 2**20:.0f} MiB still allocated before the run")
     model, opt, batch = build(s, device)
     mon, handles = None, []
     if kind == "default config":

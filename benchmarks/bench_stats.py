@@ -83,13 +83,13 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "fast pass, lane histogram (v4, default)": {},
+    "fast pass (v4, default: bf16 in words, fp8 byte counts, bf16 capped at 96 registers)": {},
     "careful pass only, warp ballots (v3)": {"fast": 0},
-    "fast, float32 sums within a tile": {"sum32": True},
-    "fast u2": {"u": 2},
+    "fast, bf16 one value per lane (no words)": {"words": False},
+    "fast, no register cap": {"maxnreg": None},
+    "fast, 96-register cap": {"maxnreg": 96},
     "fast, 8 warps": {"num_warps": 8},
-    "fast, 1 warp, 16 programs per SM": {"num_warps": 1, "progs_per_sm": 16},
-    "fast, 4 programs per SM": {"progs_per_sm": 4},
+    "fast u2": {"u": 2},
 }
 
 

@@ -26,7 +26,7 @@ from stabilitywatch.kernels import stats_tile  # noqa: E402
 PTR = {0: "*fp32", 1: "*u8", 2: "*u8", 3: "*i16"}
 
 
-def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None,
+def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, maxnreg=None,
                  **consts) -> tuple[int, int, int]:
     k = stats_tile._tile_stats_kernel
     u, t, v = shape
@@ -38,7 +38,8 @@ def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None,
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): val for n, val in c.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})  # aligned pointers
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next(os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
                  if os.path.exists(os.path.join(bindir, n)))

@@ -93,3 +93,28 @@ def test_all_zero_and_near_threshold_values(dname):
     x = x.to(DTYPES[dname])
     assert_rows_match(row_of(x), reference_row(x), label=dname)
     assert hist(row_of(x, parts=0)).sum() > 0, "fell back"
+
+
+@pytest.mark.parametrize("scale", [1.0, 448.0 / 3, 2.0 ** -12, 1e30, torch.tensor(0.37)],
+                         ids=["1", "448/3", "2^-12", "1e30", "tensor0.37"])
+@pytest.mark.parametrize("dname", ["e4m3", "e5m2"])
+def test_fp8_byte_counts_give_the_row(dname, scale):
+    # every byte value (NaN, +-Inf for e5m2, +-0, subnormals), unevenly often, over two tiles
+    # of the interpreter's 8192 fp8 elements: the byte-count pass (tile_fp8.py) at any scale
+    g = torch.Generator().manual_seed(4)
+    b = torch.randint(0, 256, (TILE * 2,), generator=g, dtype=torch.int64)
+    b[:256] = torch.arange(256)
+    b[300:2300] = 0x3C  # one value very often
+    x = b.to(torch.uint8).view(DTYPES[dname] if dname == "e4m3" else torch.float8_e5m2)
+    row = init_row_tensor(x.device)
+    launch_row_stats(x, row, scale, tune={"fast": 1})
+    assert_rows_match(row, reference_row(x, scale), label=f"{dname} scale {scale}")
+
+
+def test_bf16_at_a_two_byte_offset():
+    # bf16 is read two values per 32-bit word only from a 4-byte aligned start
+    x = ordinary(TILE * 2 + 1, torch.bfloat16, seed=5)[1:]
+    assert x.data_ptr() % 4 == 2
+    row = row_of(x, parts=0)
+    assert hist(row).sum() > 0
+    assert_rows_match(row_of(x), reference_row(x))

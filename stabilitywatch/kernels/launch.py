@@ -44,16 +44,18 @@ class FastLaunch:
         self.cache: dict = {}
         self.on = True
 
-    def __call__(self, grid: "int | tuple", args: tuple, constexprs: dict, num_warps: int) -> None:
+    def __call__(self, grid: "int | tuple", args: tuple, constexprs: dict, num_warps: int,
+                 **options) -> None:
         """grid: programs (an int, or a tuple of up to 3); args: the kernel's runtime arguments in
         order (tensors, floats, ints) on a CUDA device; constexprs: every constexpr argument by
-        name."""
+        name; options: other compile options (maxnreg)."""
         grid = (grid, 1, 1) if isinstance(grid, int) else (tuple(grid) + (1, 1))[:3]
         key = None
         if self.on:
             # Triton loads and launches on the current device (not the tensors'): so do we
             device = torch.cuda.current_device()
-            key = (device, num_warps, *(_spec(a) for a in args), *constexprs.items())
+            key = (device, num_warps, *(_spec(a) for a in args), *constexprs.items(),
+                   *options.items())
             kernel = self.cache.get(key)
             if kernel is not None:
                 try:  # the call Triton's JITFunction.run ends with
@@ -70,7 +72,7 @@ class FastLaunch:
                     log.warning("stabilitywatch: direct kernel launch failed (%s: %s); "
                                 "using Triton's launcher", type(e).__name__, e)
         t0 = time.perf_counter()
-        kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+        kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, **options)
         if key is not None:  # the first launch of this specialization (a compile, or a cache load)
             log.debug("stabilitywatch: %s %s first launch %.0f ms",
                       getattr(self.fn, "__name__", self.fn), key, (time.perf_counter() - t0) * 1e3)

@@ -2,9 +2,9 @@
 take tl.histogram there instead).
 
 - A warp-ballot histogram over a 64-bin window (_ballot_hist64).
-- A lane-private exponent histogram in shared memory (_lane_hist_*): 256 bins (the float32
-  exponent field of |x|, zeros in bin 0, Inf/NaN in bin 255) times 32 columns, one per lane of a
-  warp, shared by the warps of a program. One `red.shared.add` per element: the 32 lanes of a
+- A lane-private histogram in shared memory (_lane_hist_*): 256 bins (the float32 exponent
+  field of |x|, zeros in bin 0, Inf/NaN in bin 255; or an fp8 byte's value) times 32 columns,
+  one per lane of a warp, shared by the warps of a program. One `red.shared.add` per element: the 32 lanes of a
   warp always write 32 different banks, so nothing serializes, whatever the data. (tl.histogram
   keeps one shared counter per bin: the lanes of a warp collide on the few bins a tensor's
   exponents fall in.) 32 KiB of static shared memory per program.
@@ -89,18 +89,23 @@ _LANE_HIST_INIT = tl.constexpr("""
     mov.u32 $0, %b;
     }""")
 
-# One count: bin = exponent field of u (u = |x| bits, so 0..255), word bin * 32 + lane, at
-# table + 4 * (bin * 32 + lane). ptxas reads the lane id once for all the copies of this asm.
-_LANE_HIST_COUNT = tl.constexpr("""{
+def _lane_hist_count_ptx(shift: int) -> str:
+    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + 4 * (bin * 32 +
+    # lane). ptxas reads the lane id once for all the copies of this asm.
+    return """{
     .reg .b32 %l;
     mov.u32 %l, %laneid;
-    shr.u32 $0, $1, 23;
+    shr.u32 $0, $1, """ + str(shift) + """;
     shl.b32 $0, $0, 5;
     add.u32 $0, $0, %l;
     shl.b32 $0, $0, 2;
     add.u32 $0, $0, $2;
     red.shared.add.u32 [$0], 1;
-    }""")
+    }"""
+
+
+_LANE_HIST_COUNT = tl.constexpr(_lane_hist_count_ptx(23))  # |x| bits: the exponent field
+_LANE_HIST_COUNT_BYTE = tl.constexpr(_lane_hist_count_ptx(0))  # a byte: its value
 
 
 def _lane_hist_read_ptx() -> str:
@@ -142,6 +147,14 @@ def _lane_hist_count(u, table):
     # used.
     return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT, constraints="=r,r,r",
                                      args=[u, table + tl.zeros_like(u)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_count_byte(b, table):
+    # b: byte values 0..255 (int32)
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT_BYTE, constraints="=r,r,r",
+                                     args=[b, table + tl.zeros_like(b)], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
 

@@ -27,6 +27,7 @@ from .launch import FastLaunch
 from .ptx import _ballot_hist64
 from .stats_triton import _decode_fp8, _emit_scalars, _put
 from .tile_fast import _fast_tiles
+from .tile_fp8 import _fp8_tiles
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
                        TS6, _INF, _MAXI, _NEGINF, _decode_tile, _tmax, _tmin, _tsum)
 
@@ -216,10 +217,12 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        FP8: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
                        U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
-                       BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0):
+                       BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
+                       WORDS: tl.constexpr = False):
     # PARTS (benchmarks only, to see where time goes): 1 = format counts, 2 = histogram.
-    # FAST (unscaled only): 1 = the fast pass with tl.histogram, 2 = with the lane histogram
-    # in shared memory (GPU); a program whose data needs it runs the careful pass instead.
+    # FAST: 1 = the fast pass with tl.histogram, 2 = with the lane histogram in shared memory
+    # (GPU). fp8: the byte-count pass (tile_fp8.py); others, unscaled: the fast pass
+    # (tile_fast.py), and a program whose data needs it runs the careful pass instead.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = U * T * V
@@ -228,9 +231,16 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     else:
         scale = scale_val
     lanes = tl.arange(0, TILE)
-    if FAST:
+    if FAST and (FP8 == 1 or FP8 == 2):  # fp8: all from the count of each byte value
+        v = _fp8_tiles(x_ptr, out_ptr, scale, n_full, pid, nprog, lanes, FP8, U, T, V,
+                       FAST == 2)
+        hist = tl.zeros([HBINS], dtype=tl.int32)  # added by _fp8_tiles
+        hc0 = tl.zeros([T], dtype=tl.int32)
+        hc1 = hc0
+        e0 = pid * 0 + 31
+    elif FAST:
         clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
-                                     FAST == 2)
+                                     FAST == 2, WORDS)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
@@ -269,19 +279,26 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
 def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: bool,
                 scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
                 sum32: bool = False, parts: int = 3, ballot: bool = False,
-                direct: bool = False, fast: int = 0) -> None:
+                direct: bool = False, fast: int = 0, words: bool = True,
+                maxnreg: "int | None" = None) -> None:
     """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
-    histogram (GPU only); ignored (0) when scaled."""
+    histogram (GPU only); fp8 takes its byte-count pass (tile_fp8.py) at any scale, the other
+    dtypes the careful pass when scaled."""
     u, t, v = shape
-    fast = 0 if scaled else fast
+    fast = 0 if scaled and fp8 not in (1, 2) else fast
+    # bf16 two values per 32-bit load: needs a 4-byte aligned start
+    words = bool(fast and fp8 == 3 and words and x.data_ptr() % 4 == 0)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
-                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast)
+                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words)
+    # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
+    # what the compiler gives it
+    opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}
     if direct:  # compiled (not the interpreter): launch.FastLaunch
-        _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps)
+        _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps, **opts)
     else:
         _tile_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n_full, **consts,
-                                     num_warps=num_warps)
+                                     num_warps=num_warps, **opts)
 
 
 _launch = FastLaunch(_tile_stats_kernel)

@@ -255,7 +255,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
-    direct (False: launch through Triton's own launcher), fast (stats_tile.launch_tile)."""
+    direct (False: launch through Triton's own launcher), fast, words, maxnreg
+    (stats_tile.launch_tile)."""
     n = flat.numel()
     if n == 0:
         return
@@ -281,7 +282,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                         num_warps=warps, sum32=tune.get("sum32", False),
                         parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
                         direct=cuda and tune.get("direct", True),
-                        fast=tune.get("fast", 2 if cuda else 1))
+                        fast=tune.get("fast", 2 if cuda else 1), words=tune.get("words", True),
+                        maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None))
             if n_full == n:
                 return
             x, n = x[n_full:], n - n_full

@@ -51,12 +51,36 @@ def _above(u, T: tl.constexpr):
     return ((-(u - T)).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
 
 
+def _word_key(t: int) -> int:
+    # (t16 + 0x8000) in both 16-bit halves, as int32; t16 = t >> 16: for a bf16 value's float32
+    # bits u (low half zero), u > t exactly when u >> 16 > t16
+    k = ((t >> 16) + 0x8000) * 0x10001
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+KM4, KH4, KH5, KH6 = (tl.constexpr(_word_key(TM4.value)), tl.constexpr(_word_key(TH4.value)),
+                      tl.constexpr(_word_key(TH5.value)), tl.constexpr(_word_key(TH6.value)))
+KS4, KS5, KS6 = (tl.constexpr(_word_key(TS4.value)), tl.constexpr(_word_key(TS5.value)),
+                 tl.constexpr(_word_key(TS6.value)))
+
+
+@triton.jit
+def _words_above(a, K: tl.constexpr, N: tl.constexpr):
+    # a: words of two |bf16| bit patterns (15 bits each); per thread, how many of its N values
+    # are above the threshold. K - a leaves bit 15 of each half set where that half is not above
+    # (no borrow crosses the halves): one subtraction compares two values.
+    d = -(a - K)
+    p = _tsum((d >> 15) & 0x10001)
+    return N - (p & 0xFFFF) - ((p >> 16) & 0xFFFF)
+
+
 @triton.jit
 def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
-                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr):
+                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
+                WORDS: tl.constexpr = False):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
     # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
-    # of tl.histogram.
+    # of tl.histogram. WORDS (bf16 at a 4-byte aligned address): two values per 32-bit word.
     TILE: tl.constexpr = U * T * V
     zt = tl.zeros([T], dtype=tl.int32)
     cm4, cs4, cs5, cs6, ch4, ch5, ch6 = zt, zt, zt, zt, zt, zt, zt
@@ -74,36 +98,75 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
         tl.debug_barrier()
     step = nprog * TILE
     last = n_full - TILE
-    nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
-    for start in range(pid * TILE, n_full, step):
-        cur = nxt
-        nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
-        x, bits = _decode_tile(cur, FP8, U, T, V)
-        u = bits & 0x7FFFFFFF
-        mn = tl.minimum(mn, _tmin(x))
-        mx = tl.maximum(mx, _tmax(x))
-        um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
-        if SUM32:
-            s1 += _tsum(x).to(tl.float64)
-            s2 += _tsum(x * x).to(tl.float64)
-        else:
-            x64 = x.to(tl.float64)
-            s1 += _tsum(x64)
-            s2 += _tsum(x64 * x64)
-        if FP8 == 0:  # the low half is zero for bf16 and fp8 values
-            blo += _tsum(bits & 0xFFFF).to(tl.int64)
-        bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
-        cm4 += _tsum(_above(u, TM4))
-        ch4 += _tsum(_above(u, TH4))
-        ch5 += _tsum(_above(u, TH5))
-        ch6 += _tsum(_above(u, TH6))
-        cs4 += _tsum(_above(u, TS4))
-        cs5 += _tsum(_above(u, TS5))
-        cs6 += _tsum(_above(u, TS6))
-        if LANE:
-            _lane_hist_count(u, table)
-        else:
-            h += tl.histogram(tl.reshape(u >> 23, [TILE]), 256)
+    if WORDS:  # bf16 read as 32-bit words, two values each (_words_above)
+        TW: tl.constexpr = TILE // 2
+        wp = x_ptr.to(tl.pointer_type(tl.int32))
+        wl = tl.arange(0, TW)
+        nxt = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE, last) // 2, TW) + wl)
+        for start in range(pid * TILE, n_full, step):
+            cur = nxt
+            nxt = tl.load(wp + tl.multiple_of(tl.minimum(start + step, last) // 2, TW) + wl)
+            w = tl.reshape(cur, [U, T, V // 2])
+            lo = w << 16
+            hi = w & -65536
+            xl = lo.to(tl.float32, bitcast=True)
+            xh = hi.to(tl.float32, bitcast=True)
+            ul = lo & 0x7FFFFFFF
+            uh = hi & 0x7FFFFFFF
+            mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
+            mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
+            um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
+                                             _tmin((uh - 1).to(tl.uint32, bitcast=True))))
+            l64 = xl.to(tl.float64)
+            h64 = xh.to(tl.float64)
+            s1 += _tsum(l64) + _tsum(h64)
+            s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
+            bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
+            a = w & 0x7FFF7FFF
+            cm4 += _words_above(a, KM4, U * V)
+            ch4 += _words_above(a, KH4, U * V)
+            ch5 += _words_above(a, KH5, U * V)
+            ch6 += _words_above(a, KH6, U * V)
+            cs4 += _words_above(a, KS4, U * V)
+            cs5 += _words_above(a, KS5, U * V)
+            cs6 += _words_above(a, KS6, U * V)
+            if LANE:
+                _lane_hist_count(ul, table)
+                _lane_hist_count(uh, table)
+            else:
+                h += tl.histogram(tl.reshape(ul >> 23, [TILE // 2]), 256)
+                h += tl.histogram(tl.reshape(uh >> 23, [TILE // 2]), 256)
+    else:
+        nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
+        for start in range(pid * TILE, n_full, step):
+            cur = nxt
+            nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
+            x, bits = _decode_tile(cur, FP8, U, T, V)
+            u = bits & 0x7FFFFFFF
+            mn = tl.minimum(mn, _tmin(x))
+            mx = tl.maximum(mx, _tmax(x))
+            um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
+            if SUM32:
+                s1 += _tsum(x).to(tl.float64)
+                s2 += _tsum(x * x).to(tl.float64)
+            else:
+                x64 = x.to(tl.float64)
+                s1 += _tsum(x64)
+                s2 += _tsum(x64 * x64)
+            if FP8 == 0:  # the low half is zero for bf16 and fp8 values
+                blo += _tsum(bits & 0xFFFF).to(tl.int64)
+            bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
+            cm4 += _tsum(_above(u, TM4))
+            ch4 += _tsum(_above(u, TH4))
+            ch5 += _tsum(_above(u, TH5))
+            ch6 += _tsum(_above(u, TH6))
+            cs4 += _tsum(_above(u, TS4))
+            cs5 += _tsum(_above(u, TS5))
+            cs6 += _tsum(_above(u, TS6))
+            if LANE:
+                _lane_hist_count(u, table)
+            else:
+                h += tl.histogram(tl.reshape(u >> 23, [TILE]), 256)
     if LANE:
         tl.debug_barrier()
         h = _lane_hist_read(f)
