@@ -83,13 +83,13 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "fast pass (v4, default: bf16 in words, fp8 byte counts, bf16 capped at 96 registers)": {},
+    "fast pass (v4 default: bf16 words, 2 loads/thread, 96-register cap; fp8 byte counts)": {},
     "careful pass only, warp ballots (v3)": {"fast": 0},
     "fast, bf16 one value per lane (no words)": {"words": False},
     "fast, no register cap": {"maxnreg": None},
-    "fast, 96-register cap": {"maxnreg": 96},
+    "fast, 1 load per thread": {"u": 1},
+    "fast, one tile per program where possible": {"tiles_per_prog": 1},
     "fast, 8 warps": {"num_warps": 8},
-    "fast u2": {"u": 2},
 }
 
 

@@ -270,9 +270,9 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
     v = 16 // itemsize
     if interpreting:  # few, wide programs; 8192-element tiles like the interpreter's blocks
         return 8192 // (256 * v), 256, v
-    # one 16-byte load per thread and tile (two for float32): measured fastest on the H200
-    # (benchmarks/RESULTS.md, "Statistics kernel speed"); more loads per tile cost registers
-    rows = u if isinstance(u, int) else max(1, 8 // v)
+    # two 16-byte loads per thread and tile for float32 and bf16, one for fp8: measured fastest
+    # on the H200 (benchmarks/RESULTS.md, "Statistics kernel speed")
+    rows = u if isinstance(u, int) else 1 if v == 16 else 2
     return rows, 32 * num_warps, v
 
 

@@ -276,9 +276,18 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
         tile = shape[0] * shape[1] * shape[2]
         if n >= tile:
             n_full = n - n % tile
-            limit = _sm_count(flat.device.index) * tune.get("progs_per_sm", 8) if cuda else 4
+            tiles = n_full // tile
+            if cuda:
+                sms = _sm_count(flat.device.index)
+                # the fast passes end each program with a fixed epilogue (histogram readout,
+                # ~20 block reductions, the row's atomics): give each program several tiles,
+                # keeping at least one program per SM
+                progs = min(sms * tune.get("progs_per_sm", 8),
+                            max(sms, tiles // tune.get("tiles_per_prog", 8)))
+            else:
+                progs = 4
             launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
-                        has_ptr or scale_val != 1.0, fp8, shape, min(n_full // tile, limit),
+                        has_ptr or scale_val != 1.0, fp8, shape, min(tiles, progs),
                         num_warps=warps, sum32=tune.get("sum32", False),
                         parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
                         direct=cuda and tune.get("direct", True),

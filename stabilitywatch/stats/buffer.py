@@ -67,7 +67,7 @@ class _DeviceRows:
     def __init__(self, device: torch.device, capacity: int):
         self.device = device
         # one extra column: the scale of tensor-valued scales (FP8 recipes), read with the rows
-        self.rows = init_row_tensor(device, capacity)
+        self.rows = _static(init_row_tensor(device, capacity))
         self.views = self.rows.unbind(0)  # one view per row, made once (indexing costs ~3 us)
         self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
         self.init = init_row_tensor(device, capacity)
@@ -75,7 +75,7 @@ class _DeviceRows:
 
     def grow(self, capacity: int) -> None:
         # keep rows already written this step (device copy, no sync)
-        rows = init_row_tensor(self.device, capacity)
+        rows = _static(init_row_tensor(self.device, capacity))
         rows[: self.rows.shape[0]].copy_(self.rows)
         scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=self.device)
         scale[: self.scale.shape[0]].copy_(self.scale)
@@ -90,6 +90,17 @@ class _DeviceRows:
         pin = self.device.type == "cuda"
         shape = (self.rows.shape[0], self.rows.shape[1] + 1)
         return torch.empty(shape, dtype=ROW_DTYPE, pin_memory=pin)
+
+
+def _static(rows: torch.Tensor) -> torch.Tensor:
+    # Compiled code writes the rows through the accumulate_row custom op: a tensor that keeps
+    # its address lets inductor's CUDA graphs take the mutation (else it skips the graph)
+    if rows.device.type == "cuda":
+        try:
+            torch._dynamo.mark_static_address(rows)
+        except Exception:  # an older torch: CUDA graphs skip these graphs, nothing else changes
+            pass
+    return rows
 
 
 @dataclass
