@@ -59,6 +59,16 @@ def test_tile_kernel_matches_reference(dname, kind, fast):
     assert_rows_match(row, reference_row(x), label=f"{dname} {kind} fast={fast}")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dname", ["e4m3", "e5m2"])
+def test_fp8_byte_count_pass_matches_reference(dname, kind):
+    # tile_fp8.py (large fp8 tensors take it by default, scaled fp8 at any size)
+    x = dispatch.flat_view(blocks(kind, DTYPES[dname]))
+    row = init_row_tensor(x.device)
+    launch_row_stats(x, row, tune={"fast": 1, "bytes": True})
+    assert_rows_match(row, reference_row(x), label=f"{dname} {kind} bytes")
+
+
 @pytest.mark.parametrize("scale", [0.25, 3.7, 1e30, torch.tensor(2.0 ** -12)],
                          ids=["0.25", "3.7", "1e30", "tensor2^-12"])
 @pytest.mark.parametrize("dname", ["fp32", "bf16", "e4m3"])

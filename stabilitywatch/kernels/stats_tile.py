@@ -218,10 +218,10 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
                        BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
-                       WORDS: tl.constexpr = False):
+                       WORDS: tl.constexpr = False, BYTES: tl.constexpr = False):
     # PARTS (benchmarks only, to see where time goes): 1 = format counts, 2 = histogram.
-    # FAST: 1 = the fast pass with tl.histogram, 2 = with the lane histogram in shared memory
-    # (GPU). fp8: the byte-count pass (tile_fp8.py); others, unscaled: the fast pass
+    # FAST: 1 = the fast passes with tl.histogram, 2 = with the lane histogram in shared memory
+    # (GPU). BYTES (fp8): the byte-count pass (tile_fp8.py); else, unscaled: the fast pass
     # (tile_fast.py), and a program whose data needs it runs the careful pass instead.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -231,7 +231,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     else:
         scale = scale_val
     lanes = tl.arange(0, TILE)
-    if FAST and (FP8 == 1 or FP8 == 2):  # fp8: all from the count of each byte value
+    if FAST and BYTES and (FP8 == 1 or FP8 == 2):  # fp8: from the count of each byte value
         v = _fp8_tiles(x_ptr, out_ptr, scale, n_full, pid, nprog, lanes, FP8, U, T, V,
                        FAST == 2)
         hist = tl.zeros([HBINS], dtype=tl.int32)  # added by _fp8_tiles
@@ -280,17 +280,19 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
                 scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
                 sum32: bool = False, parts: int = 3, ballot: bool = False,
                 direct: bool = False, fast: int = 0, words: bool = True,
-                maxnreg: "int | None" = None) -> None:
+                bytes_: bool = False, maxnreg: "int | None" = None) -> None:
     """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
-    histogram (GPU only); fp8 takes its byte-count pass (tile_fp8.py) at any scale, the other
-    dtypes the careful pass when scaled."""
+    histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
+    scaled fp8; other scaled tensors take the careful pass."""
     u, t, v = shape
-    fast = 0 if scaled and fp8 not in (1, 2) else fast
+    bytes_ = bool(fast and fp8 in (1, 2) and (bytes_ or scaled))
+    fast = 0 if scaled and not bytes_ else fast
     # bf16 two values per 32-bit load: needs a 4-byte aligned start
     words = bool(fast and fp8 == 3 and words and x.data_ptr() % 4 == 0)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
-                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words)
+                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
+                  BYTES=bytes_)
     # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
     # what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}

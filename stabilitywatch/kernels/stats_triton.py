@@ -255,7 +255,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
-    direct (False: launch through Triton's own launcher), fast, words, maxnreg
+    direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg
     (stats_tile.launch_tile)."""
     n = flat.numel()
     if n == 0:
@@ -292,6 +292,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                         parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
                         direct=cuda and tune.get("direct", True),
                         fast=tune.get("fast", 2 if cuda else 1), words=tune.get("words", True),
+                        bytes_=tune.get("bytes", fp8 in (1, 2) and n_full >= FP8_BYTES_MIN),
                         maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None))
             if n_full == n:
                 return
@@ -305,6 +306,11 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
 
 
 _fast_general = FastLaunch(_row_stats_kernel)
+# fp8's byte-count pass (tile_fp8.py) ends each program with a long epilogue (256 counts into a
+# row): on the H200 it took 234 us at 2^28 elements where the fast pass took 724, but 137 us at
+# 2^25 where the fast pass took 102 (benchmarks/RESULTS.md); a linear fit puts the crossover
+# near 2^26. Scaled fp8 always takes it (the fast pass is for scale 1 only).
+FP8_BYTES_MIN = 1 << 26
 _NO_TUNE: dict = {}
 
 
