@@ -1,5 +1,8 @@
 """Statistics kernel for the full tiles of a large tensor (the tail goes to the general kernel in
-stats_triton.py; both merge into the same row with atomics).
+stats_triton.py; both merge into the same row with atomics). The kernel takes one of three
+passes over its tiles: the fast pass (tile_fast.py, unscaled tensors), the fp8 byte-count pass
+(tile_fp8.py), or the careful pass below (scaled tensors, and programs whose data the fast pass
+cannot count exactly).
 
 Why this shape: an earlier kernel kept ~20 accumulators as [BLOCK] vectors (8 registers each per
 thread), compiled to 255 registers per thread and left too few warps to keep HBM busy. Here each
@@ -7,8 +10,8 @@ thread reads a [U, V] piece of a [U, T, V] tile (U loads of 16 bytes), reduces i
 registers and keeps one register per accumulator; the next tile is loaded while this one is
 reduced (80-128 registers, no spills: benchmarks/kernel_resources.py).
 
-Per tile, the program also takes the tile's largest and smallest nonzero |x| (two block-wide
-reductions) and uses them for uniform branches:
+In the careful pass, per tile, the program also takes the tile's largest and smallest nonzero |x|
+(two block-wide reductions) and uses them for uniform branches:
 - NaN/Inf handling runs only in tiles that hold one;
 - a format threshold is compared element by element only in tiles whose range straddles it
   (tiles entirely above it add their nonzero count, tiles below it add nothing);
@@ -29,7 +32,8 @@ from .stats_triton import _decode_fp8, _emit_scalars, _put
 from .tile_fast import _fast_tiles
 from .tile_fp8 import _fp8_tiles
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
-                       TS6, _INF, _MAXI, _NEGINF, _decode_tile, _tmax, _tmin, _tsum)
+                       TS6, _INF, _MAXI, _NEGINF, _add_sums, _decode_tile, _tmax, _tmin,
+                       _tsum)
 
 @triton.jit
 def _count_gt(yu, T: tl.constexpr, ymin, ymax, nz_t, c):
@@ -126,16 +130,7 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
         unz_t = _tmin(tl.where(valid, u, _MAXI))
         amn = tl.minimum(amn, unz_t)
         tmin = tl.min(unz_t, 0)
-        if SUM32:  # float32 within the tile, float64 across tiles
-            s1 += _tsum(xf).to(tl.float64)
-            s2 += _tsum(xf * xf).to(tl.float64)
-        else:
-            x64 = xf.to(tl.float64)
-            s1 += _tsum(x64)
-            s2 += _tsum(x64 * x64)
-        if FP8 == 0:  # the low half is zero for bf16 and fp8 values
-            blo += _tsum(fbits & 0xFFFF).to(tl.int64)
-        bhi += _tsum((fbits >> 16) & 0xFFFF).to(tl.int64)
+        s1, s2, blo, bhi = _add_sums(xf, fbits, s1, s2, blo, bhi, FP8, SUM32)
         # format thresholds on y = |x * scale| (u itself when the scale is 1)
         if SCALED:
             yu = (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI

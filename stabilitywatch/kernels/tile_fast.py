@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .ptx import _lane_hist_count, _lane_hist_init, _lane_hist_read
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
-                       TS5, TS6, _decode_tile, _tmax, _tmin, _tsum)
+                       TS5, TS6, _add_sums, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
 
 
@@ -146,16 +146,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             mn = tl.minimum(mn, _tmin(x))
             mx = tl.maximum(mx, _tmax(x))
             um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
-            if SUM32:
-                s1 += _tsum(x).to(tl.float64)
-                s2 += _tsum(x * x).to(tl.float64)
-            else:
-                x64 = x.to(tl.float64)
-                s1 += _tsum(x64)
-                s2 += _tsum(x64 * x64)
-            if FP8 == 0:  # the low half is zero for bf16 and fp8 values
-                blo += _tsum(bits & 0xFFFF).to(tl.int64)
-            bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
+            s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
             cm4 += _tsum(_above(u, TM4))
             ch4 += _tsum(_above(u, TH4))
             ch5 += _tsum(_above(u, TH5))

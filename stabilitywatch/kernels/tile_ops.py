@@ -73,3 +73,20 @@ def _decode_tile(cur, FP8: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl
     return x, bits
 
 
+
+
+@triton.jit
+def _add_sums(x, bits, s1, s2, blo, bhi, FP8: tl.constexpr, SUM32: tl.constexpr):
+    # per-thread float64 sum and sum of squares of a tile's values, and the fingerprint (sums of
+    # the low and high 16 bits of each value's float32 bit pattern)
+    if SUM32:  # float32 within the tile, float64 across tiles
+        s1 += _tsum(x).to(tl.float64)
+        s2 += _tsum(x * x).to(tl.float64)
+    else:
+        x64 = x.to(tl.float64)
+        s1 += _tsum(x64)
+        s2 += _tsum(x64 * x64)
+    if FP8 == 0:  # the low half is zero for bf16 and fp8 values
+        blo += _tsum(bits & 0xFFFF).to(tl.int64)
+    bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
+    return s1, s2, blo, bhi
