@@ -99,3 +99,32 @@ def test_constexprs_out_of_order_are_never_replayed():
     fl(1, (x, out, 64), {"B": True, "A": 1}, 4)
     fl(1, (x, out, 64), {"B": True, "A": 1}, 4)
     assert not fl.on and len(jit.compiles) == 2
+
+
+def test_two_dimensional_grid_and_compile_options_reach_the_launcher():
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.float64)
+    fl((3, 2), (x, out, 64), {"A": 1, "B": True}, 4, maxnreg=96)
+    fl((7, 5), (x, out, 64), {"A": 1, "B": True}, 4, maxnreg=96)
+    fl((7, 5), (x, out, 64), {"A": 1, "B": True}, 4)        # no cap: another specialization
+    assert [c[0] for c in jit.compiles] == [(3, 2, 1), (7, 5, 1)]
+    assert jit.kernels[0].calls[0][:3] == (7, 5, 1)
+
+
+def test_empty_hook_chains_are_passed_as_none(monkeypatch):
+    # triton 3.6 keeps empty HookChains in knobs: passing None skips launch_metadata
+    from stabilitywatch.kernels import launch
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    class Knobs:
+        class runtime:
+            launch_enter_hook = Chain([])
+            launch_exit_hook = Chain([print])
+
+    monkeypatch.setattr(launch, "_knobs", Knobs)
+    enter, leave = launch._hooks()
+    assert enter is None and leave is Knobs.runtime.launch_exit_hook
