@@ -18,6 +18,7 @@ import torch
 import stabilitywatch as sw
 from stabilitywatch.demo import TinyGPT
 from stabilitywatch.kernels.dispatch import compute_row
+from stabilitywatch.sinks import jsonl
 from stabilitywatch.stats.buffer import Phase, StatsFrame
 
 ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
@@ -48,11 +49,22 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             mon._handle(frame)
             times.append((time.perf_counter() - t0) * 1e3)
+        records = mon._records(frame)
         mon.close()
     steady = times[len(times) // 2:]  # once the detectors' windows are full
     print(f"| rows per frame | frames | sinks | ms per frame (median, second half) |\n"
           f"|---:|---:|---|---:|\n| {len(keys)} | {frames} | {a.sinks} | "
           f"{statistics.median(steady):.1f} |")
+    # what the JSONL sink's thread spends per frame (holding the GIL), column-wise as it does,
+    # and value by value as it did
+    for name, fn in (("column-wise", lambda: jsonl.encode_records(records)),
+                     ("value by value", lambda: "".join(jsonl._dumps(jsonl._clean_record(r)) + "\n"
+                                                        for r in records))):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        print(f"JSONL encoding of one frame, {name}: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms")
     return 0
 
 
