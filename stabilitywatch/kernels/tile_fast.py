@@ -2,9 +2,9 @@
 case of finite values and scale 1.
 
 Per element it keeps running extrema, float64 sums, the fingerprint, seven threshold counts
-(E4M3 max, the three underflow thresholds and the three subnormal limits; each the sign bit of
-threshold - u, two instructions) and one count in a 256-bin histogram of the float32 exponent
-field of |x| (zeros in bin 0, Inf/NaN in bin 255). The rest comes from that histogram once, at
+(E4M3 max, the three underflow thresholds and the three subnormal limits; bf16 compares two
+values per 32-bit word, _words_above) and one count in a 256-bin histogram of the float32
+exponent field of |x| (zeros in bin 0, Inf/NaN in bin 255). The rest comes from that histogram once, at
 the end: zeros, the nonzero count (hence underflow = nonzero - #(u > threshold)), the E5M2 and
 fp16 overflow counts, and the row's 128 bins.
 
@@ -43,14 +43,6 @@ def _between(h, f, lo, hi):
     return tl.sum(tl.where((f >= lo) & (f < hi), h, 0), 0)
 
 
-@triton.jit
-def _above(u, T: tl.constexpr):
-    # 1 where u > T, both in [0, 2^31): the sign bit of T - u (ptxas: IADD and LEA.HI into the
-    # count, where a compare costs ISETP, SEL and an add)
-    # (-(u - T), not T - u: the interpreter keeps constexpr - tensor a constexpr)
-    return ((-(u - T)).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
-
-
 def _word_key(t: int) -> int:
     # (t16 + 0x8000) in both 16-bit halves, as int32; t16 = t >> 16: for a bf16 value's float32
     # bits u (low half zero), u > t exactly when u >> 16 > t16
@@ -69,7 +61,7 @@ def _words_above(a, K: tl.constexpr, N: tl.constexpr):
     # a: words of two |bf16| bit patterns (15 bits each); per thread, how many of its N values
     # are above the threshold. K - a leaves bit 15 of each half set where that half is not above
     # (no borrow crosses the halves): one subtraction compares two values.
-    d = -(a - K)
+    d = -(a - K)  # not K - a: the interpreter keeps constexpr - tensor a constexpr
     p = _tsum((d >> 15) & 0x10001)
     return N - (p & 0xFFFF) - ((p >> 16) & 0xFFFF)
 
@@ -147,13 +139,13 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             mx = tl.maximum(mx, _tmax(x))
             um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
             s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
-            cm4 += _tsum(_above(u, TM4))
-            ch4 += _tsum(_above(u, TH4))
-            ch5 += _tsum(_above(u, TH5))
-            ch6 += _tsum(_above(u, TH6))
-            cs4 += _tsum(_above(u, TS4))
-            cs5 += _tsum(_above(u, TS5))
-            cs6 += _tsum(_above(u, TS6))
+            cm4 += _tsum((u > TM4).to(tl.int32))
+            ch4 += _tsum((u > TH4).to(tl.int32))
+            ch5 += _tsum((u > TH5).to(tl.int32))
+            ch6 += _tsum((u > TH6).to(tl.int32))
+            cs4 += _tsum((u > TS4).to(tl.int32))
+            cs5 += _tsum((u > TS5).to(tl.int32))
+            cs6 += _tsum((u > TS6).to(tl.int32))
             if LANE:
                 _lane_hist_count(u, table)
             else:
