@@ -272,3 +272,14 @@ def test_jsonl_frame_records_encode_exactly_as_one_by_one():
     want = "".join(_dumps(_clean_record(r)) + "\n" for r in recs)
     assert encode_records(recs) == want
     assert [json.loads(line)["module"] for line in want.splitlines()] == [r["module"] for r in recs]
+
+
+def test_jsonl_column_encoder_takes_ints_bools_and_specials_like_one_by_one():
+    from stabilitywatch.sinks.jsonl import _clean_record, _dumps, encode_records
+    from stabilitywatch.stats.derive import DerivedRow
+
+    table = {"n": [3, 0, -7], "flag": [True, False, True],
+             "x": [float("nan"), -0.0, float("-inf")], "y": [1e300, 2.5e-320, float("inf")]}
+    recs = [{"step": 1, "module": f"m{i}", "tensor": "output", "stats": DerivedRow(table, i)}
+            for i in range(3)]
+    assert encode_records(recs) == "".join(_dumps(_clean_record(r)) + "\n" for r in recs)
