@@ -3,6 +3,9 @@ the row set of a GPT-2-small-shaped model (76 watched modules x 8 roles = 608 ro
 running the model: this work runs in the training thread at the end of sampled steps.
 
     python benchmarks/bench_frame.py [--frames 30] [--sinks jsonl|none] [--smoke]
+
+Also prints the JSONL sink's encoding time per frame, and the time of a tiny torch op in the
+training thread while the sink's thread writes frames (the GIL they share).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import stabilitywatch as sw
 from stabilitywatch.demo import TinyGPT
 from stabilitywatch.kernels.dispatch import compute_row
-from stabilitywatch.sinks import jsonl
+from stabilitywatch.sinks import JsonlSink, SinkRunner, jsonl
 from stabilitywatch.stats.buffer import Phase, StatsFrame
 
 ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
@@ -63,7 +66,34 @@ def main(argv=None) -> int:
                                                         for r in records))):
         best = min(timeit.repeat(fn, number=3, repeat=7)) / 3  # the least disturbed run
         print(f"JSONL encoding of one frame, {name}: {best * 1e3:.1f} ms (min of 7 x 3)")
+    if not a.smoke:
+        print(op_latency(records))
     return 0
+
+
+def op_latency(records: list) -> str:
+    """The training thread's view of the sink thread: the time of tiny torch ops (each releases
+    and re-takes the GIL, as every op of a training step does) with the sink idle, and while the
+    JSONL sink's thread writes frames."""
+    x = torch.zeros(16)
+
+    def ops(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1.0)
+        return (time.perf_counter() - t0) / n * 1e6
+
+    idle = min(ops(2000) for _ in range(5))
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = SinkRunner([JsonlSink(tmp)])
+        runner.log(records)  # open the file first
+        runner.flush()
+        for _ in range(4):
+            runner.log(records)
+        busy = ops(2000)
+        runner.close()
+    return (f"tiny torch op in the training thread: {idle:.1f} us idle, {busy:.1f} us while the "
+            f"JSONL sink thread writes frames")
 
 
 if __name__ == "__main__":
