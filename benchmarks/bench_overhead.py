@@ -168,25 +168,39 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--configs", default=";".join(KINDS[:5]),
                    help=f"separated by ;, from: {'; '.join(KINDS)}")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the configurations (interleaved, so that a slow spell of "
+                        "the host falls on all of them); the table gives the median round and "
+                        "the range of the overhead")
     a = p.parse_args(argv)
     kinds = [k.strip() for k in a.configs.split(";")]
     if "no monitor" not in kinds or any(k not in KINDS for k in kinds):
         p.error(f"--configs: choose from {KINDS}, including 'no monitor' (the baseline)")
+    if a.repeats < 1:
+        p.error("--repeats: at least 1")
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     s = shapes(a.smoke or device == "cpu")
-    res = {}
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, kind in enumerate(kinds):
-            res[kind] = run(kind, s, device, f"{tmp}/{i}")
+        for r in range(a.repeats):
+            rounds.append({kind: run(kind, s, device, f"{tmp}/{r}-{i}")
+                           for i, kind in enumerate(kinds)})
+    # each round's overhead against the same round's baseline, then the median round
+    over = {k: sorted(rd[k][0] / rd["no monitor"][0] - 1 for rd in rounds) for k in kinds}
+    res = {k: sorted((rd[k] for rd in rounds), key=lambda v: v[0])[len(rounds) // 2]
+           for k in kinds}
     base, base_mem, _ = res["no monitor"]
     fl = floor_ms(s, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"# bench_overhead on {name}: {s}; read-once floor of full coverage {fl:.2f} ms "
-          f"({fl / base:.1%} of the step)")
-    print("| configuration | ms/step | ratio | overhead | peak MiB | peak ratio | alerts / captures |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          f"({fl / base:.1%} of the step); {a.repeats} round(s)")
+    print("| configuration | ms/step | ratio | overhead | overhead range | peak MiB | peak ratio "
+          "| alerts / captures |")
+    print("|---|---:|---:|---:|---|---:|---:|---|")
     for kind, (ms, mem, seen) in res.items():
-        print(f"| {kind} | {ms:.2f} | {ms / base:.3f}x | {(ms - base) / base:+.1%} | {mem:.0f} "
+        lo, hi = over[kind][0], over[kind][-1]
+        print(f"| {kind} | {ms:.2f} | {ms / base:.3f}x | {(ms - base) / base:+.1%} | "
+              f"{lo:+.1%} .. {hi:+.1%} | {mem:.0f} "
               f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} | {seen} |")
     return 0
 

@@ -12,6 +12,14 @@ def test_bench_overhead_smoke(capsys):
     assert "| full coverage, every step |" in out and "| detect_anomaly |" in out
 
 
+def test_bench_overhead_interleaved_rounds(capsys):
+    import bench_overhead
+    assert bench_overhead.main(["--smoke", "--repeats", "2", "--configs",
+                                "no monitor;default config without sinks"]) == 0
+    out = capsys.readouterr().out
+    assert "2 round(s)" in out and "| default config without sinks |" in out
+
+
 def test_bench_stats_smoke(capsys):
     import bench_stats
     assert bench_stats.main(["--smoke"]) == 0
