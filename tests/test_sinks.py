@@ -1,5 +1,6 @@
 import errno
 import json
+import os
 import logging
 import threading
 import time
@@ -215,7 +216,8 @@ class DiskFull:
 
 
 def test_jsonl_disk_full_keeps_what_was_written(tmp_path, caplog):
-    sink = JsonlSink(tmp_path)
+    # stats written by the sink's thread (process=False); the writer process: next test
+    sink = JsonlSink(tmp_path, process=False)
     runner = SinkRunner([sink])
     runner.alert(make_alert(step=1))
     runner.alert(make_alert(step=2))
@@ -283,3 +285,53 @@ def test_jsonl_column_encoder_takes_ints_bools_and_specials_like_one_by_one():
     recs = [{"step": 1, "module": f"m{i}", "tensor": "output", "stats": DerivedRow(table, i)}
             for i in range(3)]
     assert encode_records(recs) == "".join(_dumps(_clean_record(r)) + "\n" for r in recs)
+
+
+def test_jsonl_writer_process_disk_full_switches_off_and_keeps_alerts(tmp_path, caplog):
+    # the stats file on a full disk (/dev/full: every write fails with ENOSPC), written by the
+    # writer process: one warning naming the problem, alerts still on disk, nothing raised
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    (tmp_path / "stats.jsonl").symlink_to("/dev/full")
+    sink = JsonlSink(tmp_path)
+    runner = SinkRunner([sink])
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        runner.alert(make_alert(step=1))
+        runner.log([make_record(1)])
+        runner.flush(timeout=10)
+        runner.alert(make_alert(step=2))
+        runner.close()
+    (warning,) = sink_warnings(caplog)
+    assert "No space left on device" in warning and warning.startswith(
+        "stabilitywatch: sink 'jsonl' failed (OSError")
+    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1]
+
+
+def test_jsonl_stats_are_formatted_by_the_writer_process(tmp_path, monkeypatch):
+    # the training process never formats a stats line: the same file either way
+    from stabilitywatch.sinks import jsonl_lines
+
+    recs = [make_record(s, absmax=float(s), mean=float("nan")) for s in range(3)]
+    local = JsonlSink(tmp_path / "here", process=False)
+    local.log(recs)
+    local.close()
+    monkeypatch.setattr(jsonl_lines, "encode_parts", lambda parts: 1 / 0)
+    sink = JsonlSink(tmp_path / "there")
+    sink.log(recs)
+    assert sink._writer is not None and sink._writer.poll() is None
+    sink.flush()
+    writer = sink._writer
+    sink.close()
+    assert writer.returncode == 0
+    assert (tmp_path / "there" / "stats.jsonl").read_text() == \
+        (tmp_path / "here" / "stats.jsonl").read_text()
+
+
+def test_jsonl_writer_process_ends_with_the_training_process(tmp_path):
+    # a sink never closed (a crash): the writer sees its input end, keeps what came, exits
+    sink = JsonlSink(tmp_path)
+    sink.log([make_record(5)])
+    writer = sink._writer
+    writer.stdin.close()
+    assert writer.wait(timeout=30) == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [5]

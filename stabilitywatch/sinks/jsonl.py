@@ -1,22 +1,35 @@
-"""JSONL sink: run_dir/alerts.jsonl and run_dir/stats.jsonl, one JSON object per line."""
+"""JSONL sink: run_dir/alerts.jsonl and run_dir/stats.jsonl, one JSON object per line.
+
+Alerts are written and fsync'd here, as they arrive. Stats lines are formatted and written by a
+writer process (jsonl_writer.py, started on the first record): formatting a frame's floats on
+the sink's thread held the GIL that the training thread needs for every PyTorch call. Where the
+process cannot start, or with JsonlSink(process=False), they are written here.
+"""
 from __future__ import annotations
 
-import json
-import math
+import logging
 import os
+import pickle
+import subprocess
+import sys
 from typing import Any, Optional, TextIO
 
-import numpy as np
-
-from ..alert import Alert, _json_float
+from ..alert import Alert
 from ..stats.derive import DerivedRow
+from . import jsonl_lines
 from .base import Sink
+
+log = logging.getLogger("stabilitywatch")
+_WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jsonl_writer.py")
+_dumps = jsonl_lines.dumps
+_clean_record = jsonl_lines.clean_record
 
 
 class JsonlSink(Sink):
     name = "jsonl"
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int = 0, world_size: int = 1):
+    def __init__(self, run_dir: str | os.PathLike, rank: int = 0, world_size: int = 1,
+                 process: bool = True):
         self.run_dir = os.fspath(run_dir)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -25,7 +38,9 @@ class JsonlSink(Sink):
         self.alerts_path = os.path.join(self.run_dir, f"alerts{suffix}.jsonl")
         self.stats_path = os.path.join(self.run_dir, f"stats{suffix}.jsonl")
         self._alerts: Optional[TextIO] = None
-        self._stats: Optional[TextIO] = None
+        self._stats: Optional[TextIO] = None   # stats written here (no writer process)
+        self._writer: Optional[subprocess.Popen] = None
+        self._process = process
         self._closed = False
 
     def _open(self, path: str) -> TextIO:
@@ -43,8 +58,11 @@ class JsonlSink(Sink):
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
             return
-        if self._stats is None:
-            self._stats = self._open(self.stats_path)
+        if self._writer is None and self._stats is None:
+            self._start()
+        if self._writer is not None:
+            self._send(("lines", to_parts(records)))
+            return
         # One write per batch: a failure leaves earlier lines intact.
         self._stats.write(encode_records(records))
         self._stats.flush()
@@ -64,6 +82,9 @@ class JsonlSink(Sink):
             if f is not None and not f.closed:
                 f.flush()
                 os.fsync(f.fileno())
+        if self._writer is not None:
+            self._send(("flush",))
+            self._reply()
 
     def close(self) -> None:
         if self._closed:
@@ -71,6 +92,14 @@ class JsonlSink(Sink):
         self._closed = True
         files, self._alerts, self._stats = (self._alerts, self._stats), None, None
         error = None
+        if self._writer is not None:
+            try:
+                self._send(("close",))
+                self._reply()
+            except OSError as e:
+                error = e
+            finally:
+                self._stop()
         for f in files:
             if f is None:
                 continue
@@ -84,6 +113,54 @@ class JsonlSink(Sink):
         if error is not None:
             raise error
 
+    # -- the writer process ------------------------------------------------------------------
+    def _start(self) -> None:
+        self._open(self.stats_path).close()  # the directory, and a partial last line ended
+        if self._process:
+            try:
+                self._writer = subprocess.Popen(
+                    [sys.executable, "-I", _WRITER, self.stats_path], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                return
+            except OSError as e:  # no interpreter to start: write here
+                log.info("stabilitywatch: JSONL writer process not started (%s); stats are "
+                         "written by the sink's thread", e)
+        self._stats = self._open(self.stats_path)
+
+    def _send(self, msg: tuple) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._writer.stdin.write(len(data).to_bytes(4, "little") + data)
+            self._writer.stdin.flush()
+        except OSError:  # the writer is gone: say why
+            self._reply()
+            raise
+
+    def _reply(self) -> None:
+        line = self._writer.stdout.readline().decode(errors="replace").strip()
+        if line == "ok":
+            return
+        if line.startswith("error "):
+            code, _, text = line[6:].partition(" ")
+            raise OSError(int(code) or None, text)
+        self._writer.wait(timeout=30)
+        err = self._writer.stderr.read().decode(errors="replace").strip().splitlines()
+        raise OSError(f"JSONL writer process exited ({self._writer.returncode}): "
+                      f"{err[-1] if err else 'no message'}")
+
+    def _stop(self) -> None:
+        w, self._writer = self._writer, None
+        for pipe in (w.stdin, w.stdout, w.stderr):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        try:
+            w.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
 
 def _ends_with_newline(path: str) -> bool:
     with open(path, "rb") as f:
@@ -91,13 +168,11 @@ def _ends_with_newline(path: str) -> bool:
         return f.read(1) == b"\n"
 
 
-def encode_records(records: list[dict[str, Any]]) -> str:
-    """JSON lines for stats records. Records whose stats are rows of one frame's shared columns
-    (stats.derive.DerivedRow) are encoded column by column: one float repr per value and one
-    %-format per line, in C: about 2/3 of the CPU time of value by value through json, and the
-    training thread, which needs the GIL to launch its kernels, waits far less for it
-    (benchmarks/RESULTS.md, "Overhead ... session 3")."""
-    lines: list[str] = []
+def to_parts(records: list[dict[str, Any]]) -> list:
+    """The records as jsonl_lines parts: plain values only (for the writer process). Records
+    whose stats are rows of one frame's shared columns (stats.derive.DerivedRow) become one
+    ("frame", table, heads, rows) part."""
+    parts: list = []
     i = 0
     while i < len(records):
         stats = records[i].get("stats")
@@ -108,43 +183,17 @@ def encode_records(records: list[dict[str, Any]]) -> str:
                    and records[j]["stats"].table is table):
                 j += 1
         if j - i < 2:
-            lines.append(_dumps(_clean_record(records[i])))
+            r = records[i]
+            parts.append(("record", {**r, "stats": dict(r.get("stats", {}))}))
             i += 1
             continue
         group = records[i:j]
-        body = _stats_objects(table, [r["stats"].index for r in group])
-        for r, b in zip(group, body):
-            head = _dumps({k: v for k, v in r.items() if k != "stats"})
-            lines.append(f'{head[:-1]},"stats":{b}}}' if len(head) > 2 else f'{{"stats":{b}}}')
+        parts.append(("frame", table, [{k: v for k, v in r.items() if k != "stats"}
+                                       for r in group], [r["stats"].index for r in group]))
         i = j
-    return "".join(line + "\n" for line in lines)
+    return parts
 
 
-def _stats_objects(table: dict, rows: list[int]) -> list[str]:
-    # one JSON object per row; the same values as _clean_record + json.dumps would write
-    keys = list(table)
-    template = "{" + ",".join(_dumps(k).replace("%", "%%") + ":%s" for k in keys) + "}"
-    columns = []
-    for k in keys:
-        col = table[k]
-        arr = np.asarray(col)
-        if arr.dtype.kind in "fiub":  # numbers are written as floats, as _json_float does
-            toks = list(map(float.__repr__, map(float, col)))
-            if not np.isfinite(arr.astype(np.float64)).all():  # nan, inf, -inf: as strings
-                toks = [t if math.isfinite(v) else f'"{t}"' for t, v in zip(toks, map(float, col))]
-        else:
-            toks = [_dumps(_json_float(v) if isinstance(v, float) else v) for v in col]
-        columns.append(toks)
-    by_row = list(zip(*columns)) if columns else [()] * (max(rows) + 1 if rows else 0)
-    return [template % by_row[r] for r in rows]
-
-
-def _clean_record(record: dict[str, Any]) -> dict[str, Any]:
-    out = dict(record)
-    out["stats"] = {k: _json_float(v) for k, v in record.get("stats", {}).items()}
-    return out
-
-
-def _dumps(obj: Any) -> str:
-    # allow_nan=False: a stray non-finite float must fail loudly, never produce invalid JSON.
-    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+def encode_records(records: list[dict[str, Any]]) -> str:
+    """JSON lines for stats records (what the writer process writes for them)."""
+    return jsonl_lines.encode_parts(to_parts(records))
