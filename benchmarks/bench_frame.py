@@ -5,16 +5,19 @@ running the model: this work runs in the training thread at the end of sampled s
     python benchmarks/bench_frame.py [--frames 30] [--sinks jsonl|none] [--smoke]
 
 Also prints the JSONL sink's encoding time per frame, and the time of a tiny torch op in the
-training thread while the sink's thread writes frames (the GIL they share).
+training thread while a sink's thread takes frames (the GIL they share): `--latency
+jsonl,wandb,tensorboard`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 import timeit
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +25,8 @@ import torch
 import stabilitywatch as sw
 from stabilitywatch.demo import TinyGPT
 from stabilitywatch.kernels.dispatch import compute_row
-from stabilitywatch.sinks import JsonlSink, SinkRunner, jsonl
+from stabilitywatch.sinks import SinkRunner, jsonl
+from stabilitywatch.sinks.factory import make_sinks
 from stabilitywatch.stats.buffer import Phase, StatsFrame
 
 ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
@@ -35,7 +39,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--sinks", choices=["jsonl", "none"], default="jsonl",
                    help="none: no sink thread competing for the GIL")
+    p.add_argument("--latency", default="jsonl",
+                   help="sinks (comma-separated: jsonl, wandb, tensorboard) whose thread's effect "
+                        "on the training thread's torch calls is measured (wandb: offline)")
     a = p.parse_args(argv)
+    a.latency = [n for n in a.latency.split(",") if n]
     dims = (256, 64, 2, 4, 32) if a.smoke else (50304, 768, 12, 12, 1024)
     frames = 3 if a.smoke else a.frames
     model = TinyGPT(*dims)  # never run: only its module names matter
@@ -67,14 +75,15 @@ def main(argv=None) -> int:
         best = min(timeit.repeat(fn, number=3, repeat=7)) / 3  # the least disturbed run
         print(f"JSONL encoding of one frame, {name}: {best * 1e3:.1f} ms (min of 7 x 3)")
     if not a.smoke:
-        print(op_latency(records))
+        for name in a.latency:
+            print(op_latency(records, name))
     return 0
 
 
-def op_latency(records: list) -> str:
-    """The training thread's view of the sink thread: the time of tiny torch ops (each releases
+def op_latency(records: list, sink: str = "jsonl") -> str:
+    """The training thread's view of a sink's thread: the time of tiny torch ops (each releases
     and re-takes the GIL, as every op of a training step does) with the sink idle, and while the
-    JSONL sink's thread writes frames."""
+    sink's thread takes four frames."""
     x = torch.zeros(16)
 
     def ops(n: int) -> float:
@@ -85,15 +94,20 @@ def op_latency(records: list) -> str:
 
     idle = min(ops(2000) for _ in range(5))
     with tempfile.TemporaryDirectory() as tmp:
-        runner = SinkRunner([JsonlSink(tmp)])
-        runner.log(records)  # open the file first
-        runner.flush()
+        os.environ.setdefault("WANDB_MODE", "offline")
+        (made,) = make_sinks(sw.Config(sinks=(sink,)), Path(tmp), 0, 1)
+        runner = SinkRunner([made])
+        runner.log(records)  # start the sink (files, processes, a W&B run) first
+        runner.flush(timeout=120)
         for _ in range(4):
             runner.log(records)
+        t0 = time.perf_counter()
         busy = ops(2000)
+        runner.flush(timeout=300)
+        drain = (time.perf_counter() - t0) * 1e3
         runner.close()
     return (f"tiny torch op in the training thread: {idle:.1f} us idle, {busy:.1f} us while the "
-            f"JSONL sink thread writes frames")
+            f"{sink} sink's thread takes 4 frames (drained in {drain:.0f} ms)")
 
 
 if __name__ == "__main__":
