@@ -335,3 +335,12 @@ def test_jsonl_writer_process_ends_with_the_training_process(tmp_path):
     writer.stdin.close()
     assert writer.wait(timeout=30) == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [5]
+
+
+def test_jsonl_writes_from_its_thread_where_no_python_can_be_started(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.executable", "")
+    sink = JsonlSink(tmp_path)
+    sink.log([make_record(9)])
+    assert sink._writer is None
+    sink.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [9]

@@ -116,7 +116,8 @@ class JsonlSink(Sink):
     # -- the writer process ------------------------------------------------------------------
     def _start(self) -> None:
         self._open(self.stats_path).close()  # the directory, and a partial last line ended
-        if self._process:
+        # a frozen application's executable is not a Python that runs scripts
+        if self._process and sys.executable and not getattr(sys, "frozen", False):
             try:
                 self._writer = subprocess.Popen(
                     [sys.executable, "-I", _WRITER, self.stats_path], stdin=subprocess.PIPE,
