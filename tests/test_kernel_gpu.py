@@ -183,7 +183,8 @@ def test_gpu_fast_pass_runs_and_falls_back(dname):
 
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_gpu_many_tensors_in_one_launch(dname):
-    from stabilitywatch.kernels.stats_multi import MULTI_MAX, launch_many
+    from stabilitywatch.kernels.dispatch import MULTI_MAX
+    from stabilitywatch.kernels.stats_multi import launch_many
 
     ts = [gpu_values(n, DTYPES[dname], seed=n) for n in (1, 127, 4097, 70001, MULTI_MAX)]
     rows = torch.stack([init_row_tensor("cuda") for _ in range(8)])

@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rowcheck import assert_rows_match  # noqa: E402
 
 from stabilitywatch.kernels import dispatch  # noqa: E402
-from stabilitywatch.kernels.stats_multi import MULTI_MAX, launch_many  # noqa: E402
+from stabilitywatch.kernels.dispatch import MULTI_MAX  # noqa: E402
+from stabilitywatch.kernels.stats_multi import launch_many  # noqa: E402
 from stabilitywatch.stats.buffer import StatsBuffer  # noqa: E402
 from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402

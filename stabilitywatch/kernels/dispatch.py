@@ -80,13 +80,16 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         merge_into(row, reference_row(t, scale))
 
 
+# larger tensors get their own launch (the tile kernel reads them faster); here, not in
+# stats_multi, so that the check per tensor needs no import of the Triton module
+MULTI_MAX = 1 << 17
+
+
 def batchable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "auto") -> bool:
     """True when t can share a multi-tensor launch (accumulate_many): a kernel dtype on a device
-    the kernel runs on, scale 1, at most stats_multi.MULTI_MAX elements."""
-    if isinstance(scale, torch.Tensor) or scale != 1.0 or not _kernel_ok(t, backend):
-        return False
-    from .stats_multi import MULTI_MAX  # late: it imports triton
-    return 0 < t.numel() <= MULTI_MAX
+    the kernel runs on, scale 1, at most MULTI_MAX elements."""
+    return (not isinstance(scale, torch.Tensor) and scale == 1.0 and 0 < t.numel() <= MULTI_MAX
+            and _kernel_ok(t, backend))
 
 
 def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> None:

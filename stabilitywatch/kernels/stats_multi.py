@@ -20,7 +20,6 @@ ROW = tl.constexpr(N_STATS)
 # how the program reads its tensor: 0 float32, 1 float16, 2 fp8 bytes, 3 bf16 bits
 _ELT = {torch.float32: 0, torch.float16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2,
         torch.bfloat16: 3}
-MULTI_MAX = 1 << 17   # larger tensors get their own launch (the tile kernel reads them faster)
 _BLOCK = 1024
 _PER_PROGRAM = 8 * _BLOCK  # elements per program, about
 
@@ -46,7 +45,7 @@ def _multi_row_kernel(table_ptr, rows_ptr, FP8: tl.constexpr, ELT: tl.constexpr,
 
 def launch_many(flats: list, rows: torch.Tensor, slots: list) -> None:
     """Merge the statistics of each 1-D contiguous tensor flats[k] (one dtype, on rows' device,
-    each at most MULTI_MAX elements) into rows[slots[k]] (scale 1). No host sync."""
+    each at most dispatch.MULTI_MAX elements) into rows[slots[k]] (scale 1). No host sync."""
     if not flats:
         return
     dtype = flats[0].dtype
