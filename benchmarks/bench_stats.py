@@ -90,15 +90,24 @@ VARIANTS = {
     "fast, 1 load per thread": {"u": 1},
     "fast, one tile per program where possible": {"tiles_per_prog": 1},
     "fast, 8 warps": {"num_warps": 8},
+    "fast, float32 sums within a tile": {"sum32": True},
+    "timing only (row wrong): fast without the histogram": {"fparts": 1},
+    "timing only (row wrong): fast without the threshold counts": {"fparts": 2},
+    "timing only (row wrong): fast without both": {"fparts": 0},
+    "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
 }
 
 
-def run_variants(device, t, bw) -> list[str]:
+def run_variants(device, t, bw, match=(), dtypes=()) -> list[str]:
     rows = ["| variant | dtype | ours us | floor us | ours / floor |", "|---|---|---:|---:|---:|"]
     for name, dt in DTYPES.items():
+        if dtypes and name not in dtypes:
+            continue
         x = make((256 << 20) // dt.itemsize, dt, device)
         floor = 256 * 2**20 / bw
         for vname, tune in VARIANTS.items():
+            if match and tune and not any(m in vname for m in match):
+                continue
             us = t(kernel_fn(x, tune))
             rows.append(f"| {vname} | {name} | {us:.1f} | {floor:.1f} | {us / floor:.2f} |")
     return rows
@@ -109,13 +118,18 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--variants", action="store_true")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--match", default="", help="--variants: only those whose name contains one "
+                   "of these ;-separated strings (and the default)")
+    p.add_argument("--dtypes", default="", help="--variants: ;-separated, e.g. bf16;fp32")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     t = timer(device)
     bw = read_bandwidth(device, t)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"# bench_stats on {name}: read bandwidth {bw / 1e3:.3f} GB/ms (TB/s) from torch.sum")
-    rows = run_variants(device, t, bw) if a.variants else run_sizes(a, device, t, bw)
+    split = lambda v: tuple(x for x in v.split(";") if x)  # noqa: E731
+    rows = (run_variants(device, t, bw, split(a.match), split(a.dtypes)) if a.variants
+            else run_sizes(a, device, t, bw))
     print("\n".join(rows))
     return 0
 

@@ -1,8 +1,9 @@
 """Where a sampled step's extra time goes, default config, GPT-2-small-shaped model (GPU):
 
-    python benchmarks/diagnose_step.py
+    python benchmarks/diagnose_step.py [--config default|full]
 
-Prints wall time of unsampled and sampled steps (synced), the GPU time of the statistics kernels
+Prints wall time of unsampled and sampled steps (synced), the host time of each step (from its
+start until the call returns, the GPU idle at the start), the GPU time of the statistics kernels
 in a sampled step (torch.profiler), and the host functions that take the most time over a
 sampled step and the next one (cProfile; frames are read one step late).
 """
@@ -20,17 +21,22 @@ import torch
 import stabilitywatch as sw
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_overhead import build, loss_fn, shapes  # noqa: E402
+from bench_overhead import build, full_coverage, loss_fn, shapes  # noqa: E402
 
 
 def main() -> None:
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", choices=("default", "full"), default="default")
+    a = p.parse_args()
     import logging
     logging.basicConfig(format="%(relativeCreated)d ms %(message)s")
     logging.getLogger("stabilitywatch").setLevel(logging.DEBUG)  # first launches (compiles)
     s = shapes(False)
     model, opt, batch = build(s, "cuda")
     with tempfile.TemporaryDirectory() as tmp:
-        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",)), run_dir=tmp)
+        cfg = sw.Config(sinks=("jsonl",)) if a.config == "default" else full_coverage()
+        mon = sw.watch(model, opt, config=cfg, run_dir=tmp)
 
         def step(i):
             with mon.step(i, batch=batch):
@@ -51,9 +57,17 @@ def main() -> None:
             walls[i] = (time.perf_counter() - t0) * 1e3
             logging.getLogger("stabilitywatch").debug("step %d done", i)
         print("wall ms per step:", {k: round(v, 1) for k, v in walls.items()})
+        hosts = {}
+        for i in range(32, 42):  # the host's own time: the call returns before the GPU is done
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(i)
+            hosts[i] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        print("host ms per step:", {k: round(v, 1) for k, v in hosts.items()})
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as p:
-            step(40)
+            step(50)
             torch.cuda.synchronize()
         tot, ours, n = 0.0, 0.0, 0
         for e in p.key_averages():
@@ -64,12 +78,16 @@ def main() -> None:
                 n += e.count
         print(f"sampled step GPU: total {tot / 1e3:.1f} ms, statistics kernels {ours / 1e3:.1f} ms "
               f"in {n} launches")
+        durs = sorted((e.device_time_total for e in p.events()
+                       if "stats" in e.name or "accumulate" in e.name), reverse=True)
+        print("statistics kernels, longest first (us):", [round(d) for d in durs[:24]],
+              f"... {len(durs)} in all, the rest {sum(durs[24:]) / 1e3:.1f} ms")
         print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
                                      max_name_column_width=60))
         pr = cProfile.Profile()
         pr.enable()
-        step(50)
-        step(51)
+        step(60)
+        step(61)
         torch.cuda.synchronize()
         pr.disable()
         out = io.StringIO()

@@ -213,8 +213,11 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
                        BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
-                       WORDS: tl.constexpr = False, BYTES: tl.constexpr = False):
-    # PARTS (benchmarks only, to see where time goes): 1 = format counts, 2 = histogram.
+                       WORDS: tl.constexpr = False, BYTES: tl.constexpr = False,
+                       FPARTS: tl.constexpr = 3):
+    # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
+    # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
+    # threshold counts, 2 = histogram).
     # FAST: 1 = the fast passes with tl.histogram, 2 = with the lane histogram in shared memory
     # (GPU). BYTES (fp8): the byte-count pass (tile_fp8.py); else, unscaled: the fast pass
     # (tile_fast.py), and a program whose data needs it runs the careful pass instead.
@@ -235,7 +238,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
         e0 = pid * 0 + 31
     elif FAST:
         clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
-                                     FAST == 2, WORDS)
+                                     FAST == 2, WORDS, FPARTS)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
@@ -275,7 +278,7 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
                 scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
                 sum32: bool = False, parts: int = 3, ballot: bool = False,
                 direct: bool = False, fast: int = 0, words: bool = True,
-                bytes_: bool = False, maxnreg: "int | None" = None) -> None:
+                bytes_: bool = False, maxnreg: "int | None" = None, fparts: int = 3) -> None:
     """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
     histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
@@ -287,7 +290,7 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
     words = bool(fast and fp8 == 3 and words and x.data_ptr() % 4 == 0)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
                   PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
-                  BYTES=bytes_)
+                  BYTES=bytes_, FPARTS=fparts)
     # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
     # what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}

@@ -255,7 +255,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
-    direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg
+    direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts
     (stats_tile.launch_tile)."""
     n = flat.numel()
     if n == 0:
@@ -293,7 +293,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                         direct=cuda and tune.get("direct", True),
                         fast=tune.get("fast", 2 if cuda else 1), words=tune.get("words", True),
                         bytes_=tune.get("bytes", fp8 in (1, 2) and n_full >= FP8_BYTES_MIN),
-                        maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None))
+                        maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None),
+                        fparts=tune.get("fparts", 3))
             if n_full == n:
                 return
             x, n = x[n_full:], n - n_full

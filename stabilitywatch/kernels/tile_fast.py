@@ -69,10 +69,12 @@ def _words_above(a, K: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
                 T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                WORDS: tl.constexpr = False):
+                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
     # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
     # of tl.histogram. WORDS (bf16 at a 4-byte aligned address): two values per 32-bit word.
+    # FPARTS (benchmarks only, timing what each part costs; the row is wrong without both):
+    # bit 0 the threshold counts, bit 1 the histogram.
     TILE: tl.constexpr = U * T * V
     zt = tl.zeros([T], dtype=tl.int32)
     cm4, cs4, cs5, cs6, ch4, ch5, ch6 = zt, zt, zt, zt, zt, zt, zt
@@ -109,20 +111,27 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
             um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
                                              _tmin((uh - 1).to(tl.uint32, bitcast=True))))
-            l64 = xl.to(tl.float64)
-            h64 = xh.to(tl.float64)
-            s1 += _tsum(l64) + _tsum(h64)
-            s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
+            if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
+                s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
+                s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
+            else:
+                l64 = xl.to(tl.float64)
+                h64 = xh.to(tl.float64)
+                s1 += _tsum(l64) + _tsum(h64)
+                s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
             bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
             a = w & 0x7FFF7FFF
-            cm4 += _words_above(a, KM4, U * V)
-            ch4 += _words_above(a, KH4, U * V)
-            ch5 += _words_above(a, KH5, U * V)
-            ch6 += _words_above(a, KH6, U * V)
-            cs4 += _words_above(a, KS4, U * V)
-            cs5 += _words_above(a, KS5, U * V)
-            cs6 += _words_above(a, KS6, U * V)
-            if LANE:
+            if FPARTS & 1:
+                cm4 += _words_above(a, KM4, U * V)
+                ch4 += _words_above(a, KH4, U * V)
+                ch5 += _words_above(a, KH5, U * V)
+                ch6 += _words_above(a, KH6, U * V)
+                cs4 += _words_above(a, KS4, U * V)
+                cs5 += _words_above(a, KS5, U * V)
+                cs6 += _words_above(a, KS6, U * V)
+            if (FPARTS & 2) == 0:
+                pass
+            elif LANE:
                 _lane_hist_count(ul, table)
                 _lane_hist_count(uh, table)
             else:
@@ -139,14 +148,17 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             mx = tl.maximum(mx, _tmax(x))
             um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
             s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
-            cm4 += _tsum((u > TM4).to(tl.int32))
-            ch4 += _tsum((u > TH4).to(tl.int32))
-            ch5 += _tsum((u > TH5).to(tl.int32))
-            ch6 += _tsum((u > TH6).to(tl.int32))
-            cs4 += _tsum((u > TS4).to(tl.int32))
-            cs5 += _tsum((u > TS5).to(tl.int32))
-            cs6 += _tsum((u > TS6).to(tl.int32))
-            if LANE:
+            if FPARTS & 1:
+                cm4 += _tsum((u > TM4).to(tl.int32))
+                ch4 += _tsum((u > TH4).to(tl.int32))
+                ch5 += _tsum((u > TH5).to(tl.int32))
+                ch6 += _tsum((u > TH6).to(tl.int32))
+                cs4 += _tsum((u > TS4).to(tl.int32))
+                cs5 += _tsum((u > TS5).to(tl.int32))
+                cs6 += _tsum((u > TS6).to(tl.int32))
+            if (FPARTS & 2) == 0:
+                pass
+            elif LANE:
                 _lane_hist_count(u, table)
             else:
                 h += tl.histogram(tl.reshape(u >> 23, [TILE]), 256)
