@@ -12,7 +12,8 @@ filled on a side stream, so that the device-to-host copy (~35 ms for GPT-2 small
 overlaps the forward and backward instead of adding to the step: an optimizer step pre-hook makes
 the current stream wait for it (an event, no host sync) before the weights and optimizer state
 change, and module buffers (BatchNorm statistics change during the forward) are still copied on
-the current stream. Buffers are allocated on the first snapshot and again only when the set of
+the current stream. The side-stream copies go through a staging buffer in a few large copies
+(staging.py): one copy per tensor cost ~7 ms of host time per snapshot. Buffers are allocated on the first snapshot and again only when the set of
 tensors changes (the optimizer creates its state on the first step).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .policy import SnapshotTarget
+from .staging import CHUNK, Gather, HostBuffers
 
 log = logging.getLogger("stabilitywatch")
 
@@ -43,6 +45,8 @@ class Slot:
     rng: dict = field(default_factory=dict)
     batch: Any = None                   # by reference: the loop must not modify it in place
     ready: Any = None                   # CUDA event: the side-stream copy into host memory is done
+    host: Optional[HostBuffers] = None  # pinned ring: model and optim are views of its buffers
+    gather: Optional[Gather] = None     # its copy plan from the current tensors
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +104,7 @@ class Snapshotter:
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._buffer_names = {n for n, _ in model.named_buffers()}
         self._streams: dict[torch.device, Any] = {}
+        self._staging: dict[torch.device, torch.Tensor] = {}
         self._waits: list[tuple[torch.device, Any]] = []   # copies the optimizer step waits for
         self._hook = (optimizer.register_step_pre_hook(self._before_optimizer_step)
                       if optimizer is not None else None)
@@ -143,7 +148,7 @@ class Snapshotter:
         src = [t for _, t in mt + ot]
         devs = {t.device for t in src if t.is_cuda}
         on_host = any(not d.is_cuda for d, s in zip(dst, src) if s.is_cuda)
-        if not (on_host and self._hook is not None and len(devs) == 1):
+        if not (on_host and self._hook is not None and len(devs) == 1 and slot.host is not None):
             _copy(dst, src)
             return None
         dev = devs.pop()
@@ -153,10 +158,19 @@ class Snapshotter:
             side = self._streams[dev] = torch.cuda.Stream(dev)
         keep = [i for i, (n, _) in enumerate(mt) if n in self._buffer_names]
         _copy([dst[i] for i in keep], [src[i] for i in keep])
+        host = slot.host
+        if slot.gather is None or slot.gather.key != tuple(t.data_ptr() for t in src):
+            slot.gather = Gather(src, host, CHUNK // 4)
+        staging = self._staging.get(dev)
+        if staging is None or staging.numel() < min(CHUNK // 4, host.words):
+            staging = torch.empty(min(CHUNK // 4, host.words), dtype=torch.int32, device=dev)
+            staging.record_stream(side)  # freed later only once the side stream is past it
+            self._staging[dev] = staging
         kept = set(keep)
-        rest = [i for i in range(len(src)) if i not in kept]
+        rest = [i for i in range(len(src)) if i not in kept and i not in host.flat_index]
         side.wait_stream(main)
         with torch.cuda.stream(side):
+            slot.gather.run(host, staging)
             _copy([dst[i] for i in rest], [src[i] for i in rest])
             done = torch.cuda.Event()
             done.record(side)
@@ -185,9 +199,20 @@ class Snapshotter:
     # -- allocation (first snapshot, or when the optimizer created new state) -------------------
     def _allocate(self, slot: Slot, sig, mt, ot) -> None:
         slot.sig, slot.model, slot.optim = (), {}, {}   # drop the old buffers first
-        on_host = self._on_host([t for _, t in mt + ot])
-        slot.model = {n: _empty(t, on_host) for n, t in mt}
-        slot.optim = {n: _empty(t, on_host) for n, t in ot}
+        slot.host = slot.gather = None
+        like = [t for _, t in mt + ot]
+        on_host = self._on_host(like)
+        devs = {t.device for t in like if t.is_cuda}
+        if on_host and len(devs) == 1 and all(t.is_cuda for t in like):
+            # one flat pinned buffer; module buffers apart (copied on the current stream)
+            apart = frozenset(i for i, (n, _) in enumerate(mt) if n in self._buffer_names)
+            slot.host = HostBuffers(like, apart)
+            views = iter(slot.host.views)
+            slot.model = {n: next(views) for n, _ in mt}
+            slot.optim = {n: next(views) for n, _ in ot}
+        else:
+            slot.model = {n: _empty(t, on_host) for n, t in mt}
+            slot.optim = {n: _empty(t, on_host) for n, t in ot}
         slot.sig = sig
 
     def _on_host(self, tensors: list[torch.Tensor]) -> bool:
@@ -208,6 +233,8 @@ class Snapshotter:
     def _release_all(self) -> None:
         for s in self.slots:
             s.sig, s.model, s.optim, s.step, s.batch = (), {}, {}, None, None
+            s.host = s.gather = None
+        self._staging.clear()
 
 
 def _empty(t: torch.Tensor, on_host: bool) -> torch.Tensor:

@@ -47,6 +47,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # a host copy that owns its storage: safetensors refuses tensors that share one (the
+    # snapshot ring's tensors are views of one flat buffer)
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def write_bundle(root: Path, name: str, manifest: dict,
                  tensors: dict[str, dict[str, torch.Tensor]]) -> Path:
     """Write `tensors` (file stem -> {key: tensor}) and the manifest under root/name, atomically.
@@ -61,7 +70,7 @@ def write_bundle(root: Path, name: str, manifest: dict,
         files = {}
         for stem, group in tensors.items():
             fname = f"{stem}.safetensors"
-            save_file({k: v.detach().cpu().contiguous() for k, v in group.items()},
+            save_file({k: _own(v) for k, v in group.items()},
                       str(tmp / fname), metadata={"format": "pt"})
             _fsync(tmp / fname)
             files[fname] = {"sha256": sha256_file(tmp / fname), "bytes": (tmp / fname).stat().st_size}

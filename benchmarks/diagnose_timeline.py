@@ -1,0 +1,139 @@
+"""Where a monitored step loses time, from a profiler timeline (GPU):
+
+    python benchmarks/diagnose_timeline.py [--configs "none;default;full"]
+
+For each configuration, one sampled and one unsampled step (synced before each) run under
+torch.profiler with Python stacks. Printed per step: wall time (step start to the last GPU
+work), the host's time in the step, the main stream's busy time and its idle gaps, the
+device-to-host copies, and the largest gaps with the Python functions the host was in when each
+began: a gap on the main stream is time the GPU waited for the host (or for a copy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+import stabilitywatch as sw
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import build, full_coverage, loss_fn, shapes  # noqa: E402
+
+
+def _union(iv):
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _where(py, t):
+    # the innermost few Python frames (ours or torch's) active on the host at time t
+    live = [e for e in py if e["ts"] <= t <= e["ts"] + e["dur"]]
+    live.sort(key=lambda e: e["dur"])
+    names = []
+    for e in live:
+        n = e["name"].split("/")[-1]
+        if "built-in" in n or n.startswith("<"):
+            continue
+        names.append(n[:60])
+        if len(names) == 3:
+            break
+    return " < ".join(names) or "?"
+
+
+def analyse(trace: str, label: str) -> None:
+    ev = json.load(open(trace))["traceEvents"]
+    mark = next(e for e in ev if e.get("name") == "sw_step" and e.get("cat") == "user_annotation")
+    t0, host = mark["ts"], mark["dur"]
+    kern = [e for e in ev if e.get("cat") == "kernel" and e["ts"] >= t0]
+    copies = [e for e in ev if e.get("cat") == "gpu_memcpy" and e["ts"] >= t0]
+    py = [e for e in ev if e.get("cat") == "python_function" and e.get("dur")]
+    streams = {}
+    for e in kern:
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+    main = max(streams.values(), key=len)
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in main])
+    end = max([b for _, b in busy] + [e["ts"] + e["dur"] for e in copies])
+    gaps = [(busy[i + 1][0] - busy[i][1], busy[i][1]) for i in range(len(busy) - 1)]
+    first_gap = busy[0][0] - t0
+    d2h = [e for e in copies if "DtoH" in e["name"] or "Device -> Pageable" in e["name"]
+           or "Device -> Pinned" in e["name"]]
+    d2h_u = _union([(e["ts"], e["ts"] + e["dur"]) for e in d2h])
+    opt = next((e for e in main if "adam" in e["name"].lower()), None)
+    busy_ms = sum(b - a for a, b in busy) / 1e3
+    print(f"\n## {label}: wall {(end - t0) / 1e3:.1f} ms, host in step {host / 1e3:.1f} ms, main "
+          f"stream busy {busy_ms:.1f} ms in {len(main)} kernels, idle {sum(g for g, _ in gaps) / 1e3:.1f} ms"
+          f" (+{first_gap / 1e3:.1f} before the first kernel); other streams: "
+          f"{ {k: len(v) for k, v in streams.items() if v is not main} }")
+    if d2h_u:
+        print(f"   device-to-host copies: {len(d2h)}, {sum(b - a for a, b in d2h_u) / 1e3:.1f} ms busy, "
+              f"from +{(d2h_u[0][0] - t0) / 1e3:.1f} to +{(d2h_u[-1][1] - t0) / 1e3:.1f} ms")
+    if opt is not None:
+        print(f"   optimizer kernel starts at +{(opt['ts'] - t0) / 1e3:.1f} ms")
+    print("   largest main-stream gaps (ms at +ms: host in):")
+    for g, at in sorted(gaps, reverse=True)[:8]:
+        print(f"     {g / 1e3:6.2f} at +{(at - t0) / 1e3:6.1f}: {_where(py, at)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default="none;default;full")
+    a = p.parse_args()
+    from torch.profiler import ProfilerActivity, profile, record_function
+    s = shapes(False)
+    for cname in a.configs.split(";"):
+        model, opt, batch = build(s, "cuda")
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
+                   "full": full_coverage()}[cname]
+            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
+
+            def step(i):
+                ctx = mon.step(i, batch=batch) if mon else torch.autograd.profiler.record_function("x")
+                with ctx:
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    if mon:
+                        mon.observe_loss(loss)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+            for i in range(15):
+                step(i)
+            for i in (20, 21):
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                             with_stack=True) as prof:
+                    with record_function("sw_step"):
+                        step(i)
+                    torch.cuda.synchronize()
+                path = f"{tmp}/trace{i}.json"
+                prof.export_chrome_trace(path)
+                try:
+                    analyse(path, f"{cname} config, step {i}"
+                            + (" (sampled)" if cfg and (cfg.every == 1 or i % cfg.every == 0)
+                               else ""))
+                except Exception as e:  # keep the trace for a look elsewhere
+                    print(f"analysis failed: {type(e).__name__}: {e}")
+                    if os.environ.get("OUT"):
+                        import gzip
+                        import shutil
+                        with open(path, "rb") as f, gzip.open(
+                                f"{os.environ['OUT']}/trace_{cname}_{i}.json.gz", "wb") as g:
+                            shutil.copyfileobj(f, g)
+            if mon:
+                mon.close()
+        model = opt = step = None  # free the configuration before the next
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
