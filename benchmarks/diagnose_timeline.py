@@ -1,12 +1,18 @@
 """Where a monitored step loses time, from a profiler timeline (GPU):
 
     python benchmarks/diagnose_timeline.py [--configs "none;default;full"]
+    python benchmarks/diagnose_timeline.py --window 12 [--configs ...]   # unsynced steps
+    python benchmarks/diagnose_timeline.py --events 30 [--configs ...]   # no profiler
 
 For each configuration, one sampled and one unsampled step (synced before each) run under
 torch.profiler with Python stacks. Printed per step: wall time (step start to the last GPU
 work), the host's time in the step, the main stream's busy time and its idle gaps, the
 device-to-host copies, and the largest gaps with the Python functions the host was in when each
 began: a gap on the main stream is time the GPU waited for the host (or for a copy).
+
+--window N: N steps back to back with no sync between them (as in training, where the host runs
+ahead of the GPU), profiled without Python stacks; per step, the main stream's busy time and
+idle gaps, and the CPU operators the host was in when the largest gaps began.
 """
 from __future__ import annotations
 
@@ -83,10 +89,50 @@ def analyse(trace: str, label: str) -> None:
         print(f"     {g / 1e3:6.2f} at +{(at - t0) / 1e3:6.1f}: {_where(py, at)}")
 
 
+def analyse_window(trace: str, label: str) -> None:
+    ev = json.load(open(trace))["traceEvents"]
+    marks = sorted((e for e in ev if e.get("cat") == "user_annotation"
+                    and e.get("name", "").startswith("sw_step ")), key=lambda e: e["ts"])
+    gpu_marks = sorted((e for e in ev if e.get("cat") == "gpu_user_annotation"
+                        and e.get("name", "").startswith("sw_step ")), key=lambda e: e["ts"])
+    kern = [e for e in ev if e.get("cat") == "kernel"]
+    streams = {}
+    for e in kern:
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+    main = max(streams.values(), key=len)
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in main])
+    ops = [e for e in ev if e.get("cat") in ("cpu_op", "cuda_runtime") and e.get("dur")]
+    copies = _union([(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "gpu_memcpy"])
+    print(f"\n## {label}: {len(marks)} steps; main stream busy / idle per step (ms), copies (ms)")
+    starts = [m["ts"] for m in gpu_marks] or [m["ts"] for m in marks]
+    for k, m in enumerate(marks):
+        lo = starts[k] if k < len(starts) else m["ts"]
+        hi = starts[k + 1] if k + 1 < len(starts) else max(b for _, b in busy)
+        inb = sum(max(0, min(b, hi) - max(a, lo)) for a, b in busy)
+        cp = sum(max(0, min(b, hi) - max(a, lo)) for a, b in copies)
+        gaps = [(busy[i + 1][0] - busy[i][1], busy[i][1]) for i in range(len(busy) - 1)
+                if lo <= busy[i][1] < hi]
+        big = sorted(gaps, reverse=True)[:3]
+        where = "; ".join(
+            f"{g / 1e3:.2f} at +{(at - lo) / 1e3:.1f}: "
+            + (min((o for o in ops if o["ts"] <= at <= o["ts"] + o["dur"]),
+                   key=lambda o: o["dur"], default={"name": "?"})["name"][:40])
+            for g, at in big if g > 200)
+        print(f"  {m['name']}: GPU step {(hi - lo) / 1e3:.1f}, busy {inb / 1e3:.1f}, idle "
+              f"{(hi - lo - inb) / 1e3:.1f}, copies {cp / 1e3:.1f}, host {m['dur'] / 1e3:.1f}"
+              f"  | {where}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="none;default;full")
+    p.add_argument("--window", type=int, default=0)
+    p.add_argument("--events", type=int, default=0)
     a = p.parse_args()
+    if a.events:
+        return events(a)
+    if a.window:
+        return window(a)
     from torch.profiler import ProfilerActivity, profile, record_function
     s = shapes(False)
     for cname in a.configs.split(";"):
@@ -132,6 +178,86 @@ def main() -> None:
             if mon:
                 mon.close()
         model = opt = step = None  # free the configuration before the next
+        torch.cuda.empty_cache()
+
+
+def events(a) -> None:
+    """GPU time per step from CUDA events recorded at each step start, steps back to back with
+    no sync and no profiler: a step longer on the GPU than its kernels is one the GPU spent
+    waiting (for the host, or for a copy)."""
+    s = shapes(False)
+    n = a.events
+    for cname in a.configs.split(";"):
+        model, opt, batch = build(s, "cuda")
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
+                   "default-nosinks": sw.Config(sinks=()),
+                   "default-nocapture": sw.Config(sinks=("jsonl",), capture=()),
+                   "full": full_coverage()}[cname]
+            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
+            evs, host = [], []
+            import time
+            for i in range(15 + n + 1):
+                if i >= 15:
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    evs.append(e)
+                    host.append(time.perf_counter())
+                with (mon.step(i, batch=batch) if mon else torch.autograd.profiler.record_function("x")):
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    if mon:
+                        mon.observe_loss(loss)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            gpu = [evs[k].elapsed_time(evs[k + 1]) for k in range(n)]
+            hst = [(host[k + 1] - host[k]) * 1e3 for k in range(n)]
+            print(f"\n## {cname}: GPU ms per step (step start to next step start), steps "
+                  f"15..{14 + n}; total {sum(gpu):.1f} ms")
+            print("  GPU : " + " ".join(f"{g:5.1f}" for g in gpu))
+            print("  host: " + " ".join(f"{h:5.1f}" for h in hst))
+            if mon:
+                mon.close()
+        model = opt = None
+        torch.cuda.empty_cache()
+
+
+def window(a) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+    s = shapes(False)
+    for cname in a.configs.split(";"):
+        model, opt, batch = build(s, "cuda")
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
+                   "default-nosinks": sw.Config(sinks=()),
+                   "default-nocapture": sw.Config(sinks=("jsonl",), capture=()),
+                   "full": full_coverage()}[cname]
+            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
+
+            def step(i):
+                with record_function(f"sw_step {i}"):
+                    with (mon.step(i, batch=batch) if mon else record_function("x")):
+                        loss = loss_fn(model, batch)
+                        loss.backward()
+                        if mon:
+                            mon.observe_loss(loss)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+
+            for i in range(15):
+                step(i)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(18, 18 + a.window):
+                    step(i)
+                torch.cuda.synchronize()
+            path = f"{tmp}/window.json"
+            prof.export_chrome_trace(path)
+            analyse_window(path, f"{cname} config")
+            if mon:
+                mon.close()
+        model = opt = step = None
         torch.cuda.empty_cache()
 
 

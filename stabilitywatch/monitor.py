@@ -73,6 +73,7 @@ class Monitor:
         self._step: Optional[int] = None
         self._on: frozenset[Role] = frozenset()
         self._warned: set[str] = set()
+        self._scales: dict[str, float] = {}   # role -> config.scale_for(role), a glob lookup
 
         self.modules = select_modules(model, config)
         self.schedule = Schedule(config)
@@ -232,8 +233,10 @@ class Monitor:
                 self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
                                 f"{t.dtype} is not supported; skipped")
                 continue
-            ready.append((self.dist.local(t, module, role), module, role,
-                          self.config.scale_for(role)))
+            scale = self._scales.get(role)
+            if scale is None:
+                scale = self._scales[role] = self.config.scale_for(role)
+            ready.append((self.dist.local(t, module, role), module, role, scale))
         self.buffer.add_many(ready, phase, overwrite)
 
     def _record_traced(self, t: torch.Tensor, module: str, role: str, phase: int) -> None:

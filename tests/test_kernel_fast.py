@@ -95,6 +95,23 @@ def test_all_zero_and_near_threshold_values(dname):
     assert hist(row_of(x, parts=0)).sum() > 0, "fell back"
 
 
+@pytest.mark.parametrize("dname", ["bf16", "fp16"])
+def test_every_16_bit_value_near_the_thresholds(dname):
+    # every finite value of the format whose exponent field is 100..141 (every threshold but
+    # the maxima of [2^15, 2^16), which fall back), both signs: the counts taken from the
+    # histogram's threshold table (and, for fp16 input, the per-element subnormal compare)
+    # must equal the reference's compares
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+    bits = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(dt).float()
+    keep = (vals.abs() >= 2.0 ** -27) & (vals.abs() < 2.0 ** 15) & vals.isfinite()
+    v = vals[keep]
+    x = torch.cat([v, -v])
+    x = torch.cat([x, torch.zeros(-len(x) % TILE)]).to(dt)
+    assert_rows_match(row_of(x), reference_row(x), label=dname)
+    assert hist(row_of(x, parts=0)).sum() > 0, "fell back"
+
+
 @pytest.mark.parametrize("scale", [1.0, 448.0 / 3, 2.0 ** -12, 1e30, torch.tensor(0.37)],
                          ids=["1", "448/3", "2^-12", "1e30", "tensor0.37"])
 @pytest.mark.parametrize("dname", ["e4m3", "e5m2"])

@@ -68,3 +68,48 @@ def test_buffer_add_many_matches_one_add_per_tensor():
     assert f1.keys == f2.keys
     for i, key in enumerate(f1.keys):
         assert_rows_match(f2.rows[i], f1.rows[i], label=str(key))
+
+
+def test_add_many_repeats_its_launches_on_the_same_tensors():
+    # the second step takes the kept plan (no host work per tensor): its rows must follow the
+    # tensors' new values, like one add() per tensor; a strided tensor (copied to be read) and
+    # a new tensor in the list make a new plan
+    ts = tensors(torch.float32) + tensors(torch.bfloat16, seed=1)
+    big = torch.randn(MULTI_MAX + 3)
+    items = [(t, f"m{i}", "weight", 1.0) for i, t in enumerate(ts)] + [(big, "big", "weight", 1.0)]
+    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    for step in range(3):
+        if step == 2:
+            items = items + [(torch.randn(64, 80)[:, ::3], "s", "weight", 1.0)]
+        for b in (one, many):
+            b.begin_step(step)
+        for t, m, r, s in items:
+            one.add(t, m, r, 1, scale=s)
+        many.add_many(items, 1)
+        if step == 0:
+            plan = many._plans[(1, False)]
+        elif step == 1:
+            assert many._plans[(1, False)] is plan   # kept
+        else:
+            assert (1, False) not in many._plans or many._plans[(1, False)] is plan
+        for b in (one, many):
+            b.end_step()
+        f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
+        assert f1.keys == f2.keys
+        for i, key in enumerate(f1.keys):
+            assert_rows_match(f2.rows[i], f1.rows[i], label=f"step {step} {key}")
+        for t in ts + [big]:  # new values for the next step, same storage
+            t.mul_(-2)
+
+
+def test_add_many_plan_is_not_taken_for_other_tensors():
+    a = [torch.randn(100) for _ in range(3)]
+    b = [torch.randn(100) for _ in range(3)]
+    buf = StatsBuffer(backend="triton")
+    for step, ts in enumerate((a, b, a)):
+        buf.begin_step(step)
+        buf.add_many([(t, f"m{i}", "weight", 1.0) for i, t in enumerate(ts)], 1)
+        buf.end_step()
+        f = buf.poll(block=True)[0]
+        for i, t in enumerate(ts):
+            assert_rows_match(f.rows[i], reference_row(t).numpy(), label=f"step {step} m{i}")

@@ -74,6 +74,9 @@ class Taps:
                 if id(p) not in seen:
                     seen.add(id(p))
                     self.params.append((name, pname, p))
+        # each parameter's weight and grad roles, made once (the taps run every sampled step)
+        self._roles = ([param_role(pn, "weight") for _, pn, _ in self.params],
+                       [param_role(pn, "grad") for _, pn, _ in self.params])
 
     # -- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
@@ -116,7 +119,7 @@ class Taps:
         """Parameters as the step's forward will see them (called at step start)."""
         if not self.is_on(Role.WEIGHT):
             return
-        items = [(p.detach(), name, param_role(pname, "weight")) for name, pname, p in self.params]
+        items = [(p.detach(), name, role) for (name, _, p), role in zip(self.params, self._roles[0])]
         self._guard("weight taps", self.record_many, items, Phase.WEIGHT, False)
 
     def _forward_hook(self, name: str):
@@ -193,8 +196,8 @@ class Taps:
     def _grads_before_step(self, opt, args, kwargs):
         if not self.is_on(Role.GRAD):
             return None
-        items = [(p.grad.detach(), name, param_role(pname, "grad"))
-                 for name, pname, p in self.params if p.grad is not None]
+        items = [(p.grad.detach(), name, role) for (name, _, p), role
+                 in zip(self.params, self._roles[1]) if p.grad is not None]
         self._guard("gradient taps", self.record_many, items, Phase.GRAD, True)
         return None
 

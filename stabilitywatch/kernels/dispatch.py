@@ -51,6 +51,11 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)  # copies (reshape could return a strided 1-D view)
 
 
+def viewable(t: torch.Tensor) -> bool:
+    """True when flat_view(t) is a view (it reads t's own memory), not a copy."""
+    return t.is_contiguous() or _dense(t)
+
+
 def _dense(t: torch.Tensor) -> bool:
     # non-overlapping and dense: sorted by stride, each stride equals the product of the
     # sizes of the dimensions inside it
@@ -92,9 +97,10 @@ def batchable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "au
             and _kernel_ok(t, backend))
 
 
-def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> None:
+def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
     """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype. Every
-    tensor must pass batchable(); no host sync."""
+    tensor must pass batchable(); no host sync. Returns the launches (stats_multi.ManyLaunch),
+    which run again on the same tensors (same storage) without host work per tensor."""
     from .stats_multi import launch_many
     by_dtype: dict = {}
     for t, s in zip(ts, slots):
@@ -102,8 +108,7 @@ def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> None:
         flats, ss = by_dtype[t.dtype]
         flats.append(flat_view(t))
         ss.append(s)
-    for flats, ss in by_dtype.values():
-        launch_many(flats, rows, ss)
+    return [launch_many(flats, rows, ss) for flats, ss in by_dtype.values()]
 
 
 def compute_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0,

@@ -89,6 +89,58 @@ _LANE_HIST_INIT = tl.constexpr("""
     mov.u32 $0, %b;
     }""")
 
+def _lane_hist_init_thr_ptx(table: dict) -> str:
+    # _LANE_HIST_INIT, plus a 256-word table in shared memory: word f is the threshold (|x| bits,
+    # counted when u >= it) of exponent field f, or 0xFFFFFFFF (never) for fields without one.
+    # Thread f < 256 writes word f.
+    chain = "".join(f"""
+    setp.eq.u32 %p, %i, {f};
+    selp.u32 %v, {t}, %v, %p;""" for f, t in sorted(table.items()))
+    init = _LANE_HIST_INIT.value
+    head, rest = init.split("{", 1)
+    return (head + """.shared .align 16 .b32 sw_thr_table[256];
+    {
+    .reg .pred %p;
+    .reg .b32 %i, %v, %a;
+    mov.u32 %i, %tid.x;
+    setp.ge.u32 %p, %i, 256;
+    @%p bra sw_thr_done;
+    mov.u32 %v, 0xFFFFFFFF;""" + chain + """
+    mov.u32 %a, sw_thr_table;
+    shl.b32 %i, %i, 2;
+    add.u32 %a, %a, %i;
+    st.shared.u32 [%a], %v;
+    sw_thr_done:
+    }
+    {""" + rest)
+
+
+def _lane_hist_count_thr_ptx() -> str:
+    # One count of |x| bits $1 in bin f = $1 >> 23, adding 1 | (($1 >= table[f]) << 16): the
+    # low half counts the values of field f, the high half those at or above the field's
+    # threshold. Packed 16-bit counts: at most 65535 values per lane and program (launch_tile).
+    return """{
+    .reg .pred %p;
+    .reg .b32 %l, %f, %t, %a, %i;
+    mov.u32 %l, %laneid;
+    shr.u32 %f, $1, 23;
+    mov.u32 %a, sw_thr_table;
+    shl.b32 %t, %f, 2;
+    add.u32 %a, %a, %t;
+    ld.shared.u32 %t, [%a];
+    setp.ge.u32 %p, $1, %t;
+    selp.u32 %i, 65537, 1, %p;
+    shl.b32 $0, %f, 5;
+    add.u32 $0, $0, %l;
+    shl.b32 $0, $0, 2;
+    add.u32 $0, $0, $2;
+    red.shared.add.u32 [$0], %i;
+    }"""
+
+
+_LANE_HIST_COUNT_THR = tl.constexpr(_lane_hist_count_thr_ptx())
+
+
 def _lane_hist_count_ptx(shift: int) -> str:
     # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + 4 * (bin * 32 +
     # lane). ptxas reads the lane id once for all the copies of this asm.
@@ -134,11 +186,56 @@ def _lane_hist_read_ptx() -> str:
 _LANE_HIST_READ = tl.constexpr(_lane_hist_read_ptx())
 
 
+def _lane_hist_read2_ptx() -> str:
+    # bin $2's totals over the 32 columns, the low and the high 16-bit halves apart (each half
+    # of a column is a count; their sums over 32 columns can pass 65535)
+    step = """
+    add.u32 %c, %l, {j};
+    and.b32 %c, %c, 31;
+    shl.b32 %c, %c, 2;
+    add.u32 %c, %c, %a;
+    ld.shared.u32 %v, [%c];
+    and.b32 %w, %v, 65535;
+    add.u32 $0, $0, %w;
+    shr.u32 %w, %v, 16;
+    add.u32 $1, $1, %w;"""
+    return ("""{
+    .reg .b32 %a, %c, %l, %v, %w;
+    mov.u32 %l, %laneid;
+    mov.u32 %a, sw_lane_hist;
+    shl.b32 %c, $2, 7;
+    add.u32 %a, %a, %c;
+    mov.u32 $0, 0;
+    mov.u32 $1, 0;"""
+            + "".join(step.format(j=j) for j in range(32))
+            + """
+    }""")
+
+
+_LANE_HIST_READ2 = tl.constexpr(_lane_hist_read2_ptx())
+
+
 @triton.jit
 def _lane_hist_init(zero):
     # zero: a scalar (0); returns the table's shared-memory address (the same in every thread)
     return tl.inline_asm_elementwise(asm=_LANE_HIST_INIT, constraints="=r,r", args=[zero],
                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_count_thr(u, table):
+    # u: |x| bit patterns; table: from lane_hist_init_thr (the threshold table is found by name)
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT_THR, constraints="=r,r,r",
+                                     args=[u, table + tl.zeros_like(u)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_read2(bins):
+    # bins: tl.arange(0, 256); after a barrier that follows the last count. Returns (the low
+    # halves' total, the high halves' total) per bin.
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_READ2, constraints="=r,=r,r", args=[bins],
+                                     dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
 
 
 @triton.jit

@@ -43,25 +43,38 @@ def _multi_row_kernel(table_ptr, rows_ptr, FP8: tl.constexpr, ELT: tl.constexpr,
                  FP8, BLOCK)
 
 
-def launch_many(flats: list, rows: torch.Tensor, slots: list) -> None:
+class ManyLaunch:
+    """One multi-tensor launch, kept: its table holds addresses (no tensor references), valid
+    while the same tensors keep their storage; `run(rows)` launches it again."""
+
+    def __init__(self, flats: list, slots: list, device: torch.device):
+        dtype = flats[0].dtype
+        self.cuda = device.type == "cuda" and not _interpreting()
+        vals = []
+        for f, s in zip(flats, slots):
+            vals += (f.data_ptr(), f.numel(), s)
+        # the pinned buffer is kept by the caching host allocator until the copy has run
+        self.table = torch.tensor(vals, dtype=torch.int64, pin_memory=self.cuda).to(
+            device, non_blocking=True)
+        self.grid = (len(flats), max(1, min(32, -(-max(f.numel() for f in flats) // _PER_PROGRAM))))
+        self.consts = dict(FP8=_FP8_CODE.get(dtype, 0), ELT=_ELT[dtype], BLOCK=_BLOCK)
+
+    def run(self, rows: torch.Tensor) -> None:
+        if self.cuda:
+            _launch(self.grid, (self.table, rows), self.consts, 4)
+        else:  # the interpreter
+            _multi_row_kernel[self.grid](self.table, rows, **self.consts)
+
+
+def launch_many(flats: list, rows: torch.Tensor, slots: list) -> "ManyLaunch | None":
     """Merge the statistics of each 1-D contiguous tensor flats[k] (one dtype, on rows' device,
-    each at most dispatch.MULTI_MAX elements) into rows[slots[k]] (scale 1). No host sync."""
+    each at most dispatch.MULTI_MAX elements) into rows[slots[k]] (scale 1). No host sync.
+    Returns the launch, to be run again on the same tensors."""
     if not flats:
-        return
-    dtype = flats[0].dtype
-    cuda = rows.device.type == "cuda" and not _interpreting()
-    vals = []
-    for f, s in zip(flats, slots):
-        vals += (f.data_ptr(), f.numel(), s)
-    # the pinned buffer is kept by the caching host allocator until the copy has run
-    table = torch.tensor(vals, dtype=torch.int64, pin_memory=cuda).to(rows.device,
-                                                                      non_blocking=True)
-    per = max(1, min(32, -(-max(f.numel() for f in flats) // _PER_PROGRAM)))
-    consts = dict(FP8=_FP8_CODE.get(dtype, 0), ELT=_ELT[dtype], BLOCK=_BLOCK)
-    if cuda:
-        _launch((len(flats), per), (table, rows), consts, 4)
-    else:  # the interpreter
-        _multi_row_kernel[(len(flats), per)](table, rows, **consts)
+        return None
+    launch = ManyLaunch(flats, slots, rows.device)
+    launch.run(rows)
+    return launch
 
 
 _launch = FastLaunch(_multi_row_kernel)

@@ -284,6 +284,10 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                 # keeping at least one program per SM
                 progs = min(sms * tune.get("progs_per_sm", 8),
                             max(sms, tiles // tune.get("tiles_per_prog", 8)))
+                # the fast pass's histogram packs 16-bit counts per lane: at most 65535 values
+                # per lane and program (past ~2^34 elements, more programs)
+                per_tile = shape[0] * shape[2]
+                progs = max(progs, -(-tiles * per_tile // (65535 - per_tile)))
             else:
                 progs = 4
             launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
