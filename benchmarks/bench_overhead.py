@@ -200,13 +200,15 @@ def main(argv=None) -> int:
     print(f"# bench_overhead on {name}: {s}; read-once floor of full coverage {fl:.2f} ms "
           f"({fl / base:.1%} of the step); {a.repeats} round(s)")
     print("| configuration | ms/step | ratio | overhead | overhead range | peak MiB | peak ratio "
-          "| alerts / captures |")
-    print("|---|---:|---:|---:|---|---:|---:|---|")
+          "| peak ratio range | alerts / captures |")
+    print("|---|---:|---:|---:|---|---:|---:|---|---|")
     for kind, (ms, mem, seen) in res.items():
         lo, hi = over[kind][0], over[kind][-1]
+        peaks = sorted(rd[kind][1] / rd["no monitor"][1] for rd in rounds)
         print(f"| {kind} | {ms:.2f} | {ms / base:.3f}x | {(ms - base) / base:+.1%} | "
               f"{lo:+.1%} .. {hi:+.1%} | {mem:.0f} "
-              f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} | {seen} |")
+              f"| {mem / base_mem if base_mem == base_mem else float('nan'):.3f} "
+              f"| {peaks[0]:.3f} .. {peaks[-1]:.3f} | {seen} |")
     return 0
 
 

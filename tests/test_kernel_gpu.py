@@ -181,6 +181,33 @@ def test_gpu_fast_pass_runs_and_falls_back(dname):
             assert_rows_match(row_of(y, bytes=True), reference_row(y), label="e4m3 bytes nan")
 
 
+@pytest.mark.parametrize("dname", ["bf16", "fp16", "fp32"])
+def test_gpu_threshold_table_on_every_value_near_the_thresholds(dname):
+    # the fast pass's threshold counts come from its shared-memory table (ptx.py): every 16-bit
+    # value of exponent field 100..141 (and, for fp32, each threshold and one ulp either side),
+    # both signs, spread over many programs, against the reference's compares
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+    src = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.bfloat16}[dname]
+    vals = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(src).float()
+    keep = (vals.abs() >= 2.0 ** -27) & (vals.abs() < 2.0 ** 15) & vals.isfinite()
+    v = vals[keep]
+    if dname == "fp32":
+        edges = []
+        for f in FORMATS.values():
+            for t in (f.underflow_threshold, f.subnormal_limit, f.max):
+                t = torch.tensor(t)
+                edges += [t, torch.nextafter(t, torch.tensor(0.0)),
+                          torch.nextafter(t, torch.tensor(1e9))]
+        v = torch.cat([v, torch.stack(edges)])
+        v = v[v.abs() < 2.0 ** 15]
+    x = torch.cat([v, -v]).repeat(64)
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))]
+    x = x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]).cuda()
+    row = init_row_tensor(x.device)
+    launch_row_stats(x, row, tune={"fast": 2})
+    assert_rows_match(row, reference_row(x), label=dname)
+
+
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_gpu_many_tensors_in_one_launch(dname):
     from stabilitywatch.kernels.dispatch import MULTI_MAX

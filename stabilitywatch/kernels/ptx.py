@@ -92,7 +92,7 @@ _LANE_HIST_INIT = tl.constexpr("""
 def _lane_hist_init_thr_ptx(table: dict) -> str:
     # _LANE_HIST_INIT, plus a 256-word table in shared memory: word f is the threshold (|x| bits,
     # counted when u >= it) of exponent field f, or 0xFFFFFFFF (never) for fields without one.
-    # Thread f < 256 writes word f.
+    # The program's threads write words tid, tid + ntid, ... (a program has fewer than 256).
     chain = "".join(f"""
     setp.eq.u32 %p, %i, {f};
     selp.u32 %v, {t}, %v, %p;""" for f, t in sorted(table.items()))
@@ -101,15 +101,19 @@ def _lane_hist_init_thr_ptx(table: dict) -> str:
     return (head + """.shared .align 16 .b32 sw_thr_table[256];
     {
     .reg .pred %p;
-    .reg .b32 %i, %v, %a;
+    .reg .b32 %i, %v, %a, %n;
     mov.u32 %i, %tid.x;
+    mov.u32 %n, %ntid.x;
+    sw_thr_next:
     setp.ge.u32 %p, %i, 256;
     @%p bra sw_thr_done;
-    mov.u32 %v, 0xFFFFFFFF;""" + chain + """
     mov.u32 %a, sw_thr_table;
-    shl.b32 %i, %i, 2;
-    add.u32 %a, %a, %i;
+    shl.b32 %v, %i, 2;
+    add.u32 %a, %a, %v;
+    mov.u32 %v, 0xFFFFFFFF;""" + chain + """
     st.shared.u32 [%a], %v;
+    add.u32 %i, %i, %n;
+    bra sw_thr_next;
     sw_thr_done:
     }
     {""" + rest)
