@@ -98,3 +98,22 @@ def test_gather_on_cuda_through_a_side_stream():
     side.synchronize()
     for i in host.flat_index:
         assert torch.equal(host.views[i], src[i].cpu()), i
+
+
+def test_close_frees_the_snapshot_ring(tmp_path):
+    # a closed monitor kept to read its alerts must not hold copies of the model
+    import stabilitywatch as sw
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    mon = sw.watch(model, opt, config=sw.Config(sinks=(), every=1), run_dir=tmp_path)
+    for step in range(3):
+        with mon.step(step, batch=torch.randn(4, 8)):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            mon.observe_loss(loss)
+            opt.step()
+            opt.zero_grad()
+        if step == 1:
+            assert mon.capture.snap.nbytes > 0
+    mon.close()
+    assert mon.capture.snap.nbytes == 0

@@ -110,9 +110,13 @@ class Snapshotter:
                       if optimizer is not None else None)
 
     def close(self) -> None:
+        """Detach the optimizer hook and free the ring and the staging buffer (a closed monitor
+        the user keeps, to read its alerts, must not hold copies of the model)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._waits.clear()
+        self._release_all()
 
     # -- hot path ------------------------------------------------------------------------------
     def take(self, step: int, batch: Any, seq: int) -> Optional[Slot]:
