@@ -80,6 +80,17 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["target"].reshape(-1))
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict, mon, step: int) -> None:
+    """One step of the benchmark loop, monitored when mon is a Monitor (else None)."""
+    with (mon.step(step, batch=batch) if mon else _null()):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if mon:
+            mon.observe_loss(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
     # the previous configuration's model, optimizer and monitor hold each other in reference
     # cycles: collect them, or their memory counts in this configuration's peak
@@ -110,15 +121,9 @@ def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        ctx = mon.step(step, batch=batch) if mon else _null()
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if kind == "detect_anomaly" else _null()
-        with ctx, anomaly:
-            loss = loss_fn(model, batch)
-            loss.backward()
-            if mon:
-                mon.observe_loss(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with anomaly:
+            train_step(model, opt, batch, mon, step)
     if device == "cuda":
         torch.cuda.synchronize()
     mean_ms = (time.perf_counter() - t0) * 1e3 / s["steps"]

@@ -21,7 +21,7 @@ import torch
 import stabilitywatch as sw
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_overhead import build, full_coverage, loss_fn, shapes  # noqa: E402
+from bench_overhead import build, full_coverage, shapes, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -39,12 +39,7 @@ def main() -> None:
         mon = sw.watch(model, opt, config=cfg, run_dir=tmp)
 
         def step(i):
-            with mon.step(i, batch=batch):
-                loss = loss_fn(model, batch)
-                loss.backward()
-                mon.observe_loss(loss)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            train_step(model, opt, batch, mon, i)
 
         for i in range(12):
             step(i)

@@ -17,6 +17,7 @@ idle gaps, and the CPU operators the host was in when the largest gaps began.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ import torch
 import stabilitywatch as sw
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import build, full_coverage, loss_fn, shapes  # noqa: E402
+from bench_overhead import build, full_coverage, shapes, train_step  # noqa: E402
 
 
 def _union(iv):
@@ -123,6 +124,37 @@ def analyse_window(trace: str, label: str) -> None:
               f"  | {where}")
 
 
+CONFIGS = {"none": lambda: None, "default": lambda: sw.Config(sinks=("jsonl",)),
+           "default-nosinks": lambda: sw.Config(sinks=()),
+           "default-nocapture": lambda: sw.Config(sinks=("jsonl",), capture=()),
+           "full": full_coverage}
+
+
+@contextlib.contextmanager
+def monitored(cname: str, wrap=None):
+    """(config, step(i)) for one configuration of the benchmark model, warmed up over steps
+    0-14; wrap(i) gives a context around each step (a profiler mark)."""
+    s = shapes(False)
+    model, opt, batch = build(s, "cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = CONFIGS[cname]()
+        mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
+
+        def step(i):
+            with (wrap(i) if wrap else contextlib.nullcontext()):
+                train_step(model, opt, batch, mon, i)
+
+        for i in range(15):
+            step(i)
+        torch.cuda.synchronize()
+        try:
+            yield cfg, step, tmp
+        finally:
+            if mon:
+                mon.close()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="none;default;full")
@@ -134,26 +166,8 @@ def main() -> None:
     if a.window:
         return window(a)
     from torch.profiler import ProfilerActivity, profile, record_function
-    s = shapes(False)
     for cname in a.configs.split(";"):
-        model, opt, batch = build(s, "cuda")
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
-                   "full": full_coverage()}[cname]
-            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
-
-            def step(i):
-                ctx = mon.step(i, batch=batch) if mon else torch.autograd.profiler.record_function("x")
-                with ctx:
-                    loss = loss_fn(model, batch)
-                    loss.backward()
-                    if mon:
-                        mon.observe_loss(loss)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-
-            for i in range(15):
-                step(i)
+        with monitored(cname) as (cfg, step, tmp):
             for i in (20, 21):
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -175,79 +189,42 @@ def main() -> None:
                         with open(path, "rb") as f, gzip.open(
                                 f"{os.environ['OUT']}/trace_{cname}_{i}.json.gz", "wb") as g:
                             shutil.copyfileobj(f, g)
-            if mon:
-                mon.close()
-        model = opt = step = None  # free the configuration before the next
-        torch.cuda.empty_cache()
 
 
 def events(a) -> None:
     """GPU time per step from CUDA events recorded at each step start, steps back to back with
     no sync and no profiler: a step longer on the GPU than its kernels is one the GPU spent
     waiting (for the host, or for a copy)."""
-    s = shapes(False)
+    import time
     n = a.events
     for cname in a.configs.split(";"):
-        model, opt, batch = build(s, "cuda")
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
-                   "default-nosinks": sw.Config(sinks=()),
-                   "default-nocapture": sw.Config(sinks=("jsonl",), capture=()),
-                   "full": full_coverage()}[cname]
-            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
-            evs, host = [], []
-            import time
-            for i in range(15 + n + 1):
-                if i >= 15:
-                    e = torch.cuda.Event(enable_timing=True)
-                    e.record()
-                    evs.append(e)
-                    host.append(time.perf_counter())
-                with (mon.step(i, batch=batch) if mon else torch.autograd.profiler.record_function("x")):
-                    loss = loss_fn(model, batch)
-                    loss.backward()
-                    if mon:
-                        mon.observe_loss(loss)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+        evs, host = [], []
+
+        def mark(i):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            evs.append(e)
+            host.append(time.perf_counter())
+            return contextlib.nullcontext()
+
+        with monitored(cname, wrap=mark) as (_, step, _tmp):
+            evs.clear()
+            host.clear()
+            for i in range(15, 16 + n):
+                step(i)
             torch.cuda.synchronize()
-            gpu = [evs[k].elapsed_time(evs[k + 1]) for k in range(n)]
-            hst = [(host[k + 1] - host[k]) * 1e3 for k in range(n)]
-            print(f"\n## {cname}: GPU ms per step (step start to next step start), steps "
-                  f"15..{14 + n}; total {sum(gpu):.1f} ms")
-            print("  GPU : " + " ".join(f"{g:5.1f}" for g in gpu))
-            print("  host: " + " ".join(f"{h:5.1f}" for h in hst))
-            if mon:
-                mon.close()
-        model = opt = None
-        torch.cuda.empty_cache()
+        gpu = [evs[k].elapsed_time(evs[k + 1]) for k in range(n)]
+        hst = [(host[k + 1] - host[k]) * 1e3 for k in range(n)]
+        print(f"\n## {cname}: GPU ms per step (step start to next step start), steps "
+              f"15..{14 + n}; total {sum(gpu):.1f} ms")
+        print("  GPU : " + " ".join(f"{g:5.1f}" for g in gpu))
+        print("  host: " + " ".join(f"{h:5.1f}" for h in hst))
 
 
 def window(a) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
-    s = shapes(False)
     for cname in a.configs.split(";"):
-        model, opt, batch = build(s, "cuda")
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = {"none": None, "default": sw.Config(sinks=("jsonl",)),
-                   "default-nosinks": sw.Config(sinks=()),
-                   "default-nocapture": sw.Config(sinks=("jsonl",), capture=()),
-                   "full": full_coverage()}[cname]
-            mon = sw.watch(model, opt, config=cfg, run_dir=tmp) if cfg else None
-
-            def step(i):
-                with record_function(f"sw_step {i}"):
-                    with (mon.step(i, batch=batch) if mon else record_function("x")):
-                        loss = loss_fn(model, batch)
-                        loss.backward()
-                        if mon:
-                            mon.observe_loss(loss)
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-
-            for i in range(15):
-                step(i)
-            torch.cuda.synchronize()
+        with monitored(cname, wrap=lambda i: record_function(f"sw_step {i}")) as (_, step, tmp):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for i in range(18, 18 + a.window):
                     step(i)
@@ -255,10 +232,6 @@ def window(a) -> None:
             path = f"{tmp}/window.json"
             prof.export_chrome_trace(path)
             analyse_window(path, f"{cname} config")
-            if mon:
-                mon.close()
-        model = opt = step = None
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

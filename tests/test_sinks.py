@@ -318,9 +318,9 @@ def test_jsonl_stats_are_formatted_by_the_writer_process(tmp_path, monkeypatch):
     monkeypatch.setattr(jsonl_lines, "encode_parts", lambda parts: 1 / 0)
     sink = JsonlSink(tmp_path / "there")
     sink.log(recs)
-    assert sink._writer is not None and sink._writer.poll() is None
+    assert sink._writer is not None and sink._writer.proc.poll() is None
     sink.flush()
-    writer = sink._writer
+    writer = sink._writer.proc
     sink.close()
     assert writer.returncode == 0
     assert (tmp_path / "there" / "stats.jsonl").read_text() == \
@@ -331,7 +331,7 @@ def test_jsonl_writer_process_ends_with_the_training_process(tmp_path):
     # a sink never closed (a crash): the writer sees its input end, keeps what came, exits
     sink = JsonlSink(tmp_path)
     sink.log([make_record(5)])
-    writer = sink._writer
+    writer = sink._writer.proc
     writer.stdin.close()
     assert writer.wait(timeout=30) == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [5]

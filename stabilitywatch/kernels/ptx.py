@@ -164,74 +164,66 @@ _LANE_HIST_COUNT = tl.constexpr(_lane_hist_count_ptx(23))  # |x| bits: the expon
 _LANE_HIST_COUNT_BYTE = tl.constexpr(_lane_hist_count_ptx(0))  # a byte: its value
 
 
-def _lane_hist_read_ptx() -> str:
+def _lane_hist_read_ptx(split: bool) -> str:
     # bin $1's total over the 32 columns; lane L starts at column L so that the lanes of a warp
-    # read 32 different banks at each step
-    step = """
-    add.u32 %c, %l, {j};
-    and.b32 %c, %c, 31;
-    shl.b32 %c, %c, 2;
-    add.u32 %c, %c, %a;
-    ld.shared.u32 %v, [%c];
-    add.u32 %s, %s, %v;"""
-    return ("""{
-    .reg .b32 %a, %c, %l, %s, %v;
-    mov.u32 %l, %laneid;
-    mov.u32 %a, sw_lane_hist;
-    shl.b32 %c, $1, 7;
-    add.u32 %a, %a, %c;
-    mov.u32 %s, 0;"""
-            + "".join(step.format(j=j) for j in range(32))
-            + """
-    mov.u32 $0, %s;
-    }""")
-
-
-_LANE_HIST_READ = tl.constexpr(_lane_hist_read_ptx())
-
-
-def _lane_hist_read2_ptx() -> str:
-    # bin $2's totals over the 32 columns, the low and the high 16-bit halves apart (each half
-    # of a column is a count; their sums over 32 columns can pass 65535)
-    step = """
-    add.u32 %c, %l, {j};
-    and.b32 %c, %c, 31;
-    shl.b32 %c, %c, 2;
-    add.u32 %c, %c, %a;
-    ld.shared.u32 %v, [%c];
+    # read 32 different banks at each step. split: two results ($0, $1, bin in $2), the totals
+    # of the low and the high 16-bit halves apart (each half of a column is a count; their sums
+    # over 32 columns can pass 65535)
+    add = """
     and.b32 %w, %v, 65535;
     add.u32 $0, $0, %w;
     shr.u32 %w, %v, 16;
-    add.u32 $1, $1, %w;"""
+    add.u32 $1, $1, %w;""" if split else """
+    add.u32 $0, $0, %v;"""
+    step = """
+    add.u32 %c, %l, {j};
+    and.b32 %c, %c, 31;
+    shl.b32 %c, %c, 2;
+    add.u32 %c, %c, %a;
+    ld.shared.u32 %v, [%c];""" + add
     return ("""{
     .reg .b32 %a, %c, %l, %v, %w;
     mov.u32 %l, %laneid;
     mov.u32 %a, sw_lane_hist;
-    shl.b32 %c, $2, 7;
+    shl.b32 %c, """ + ("$2" if split else "$1") + """, 7;
     add.u32 %a, %a, %c;
-    mov.u32 $0, 0;
-    mov.u32 $1, 0;"""
+    mov.u32 $0, 0;""" + ("""
+    mov.u32 $1, 0;""" if split else "")
             + "".join(step.format(j=j) for j in range(32))
             + """
     }""")
 
 
-_LANE_HIST_READ2 = tl.constexpr(_lane_hist_read2_ptx())
+_LANE_HIST_READ = tl.constexpr(_lane_hist_read_ptx(False))
+_LANE_HIST_READ2 = tl.constexpr(_lane_hist_read_ptx(True))
 
 
 @triton.jit
-def _lane_hist_init(zero):
-    # zero: a scalar (0); returns the table's shared-memory address (the same in every thread)
-    return tl.inline_asm_elementwise(asm=_LANE_HIST_INIT, constraints="=r,r", args=[zero],
+def _lane_hist_init_with(zero, ASM: tl.constexpr):
+    # zero: a scalar (0); ASM: _LANE_HIST_INIT or an extension of it. Returns the table's
+    # shared-memory address (the same in every thread)
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,r", args=[zero],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _lane_hist_count_thr(u, table):
-    # u: |x| bit patterns; table: from lane_hist_init_thr (the threshold table is found by name)
-    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT_THR, constraints="=r,r,r",
+def _lane_hist_init(zero):
+    return _lane_hist_init_with(zero, _LANE_HIST_INIT)
+
+
+@triton.jit
+def _lane_hist_add(u, table, ASM: tl.constexpr):
+    # one count per element of u by the PTX in ASM (a _LANE_HIST_COUNT*); table: the histogram's
+    # address from the init. The result (the word's address) is not used.
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,r,r",
                                      args=[u, table + tl.zeros_like(u)], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_hist_count_thr(u, table):
+    # u: |x| bit patterns; the threshold table is found by name (tile_fast's init writes it)
+    return _lane_hist_add(u, table, _LANE_HIST_COUNT_THR)
 
 
 @triton.jit
@@ -244,19 +236,14 @@ def _lane_hist_read2(bins):
 
 @triton.jit
 def _lane_hist_count(u, table):
-    # u: |x| bit patterns; table: from _lane_hist_init. The result (the word's address) is not
-    # used.
-    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT, constraints="=r,r,r",
-                                     args=[u, table + tl.zeros_like(u)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+    # u: |x| bit patterns; table: from _lane_hist_init
+    return _lane_hist_add(u, table, _LANE_HIST_COUNT)
 
 
 @triton.jit
 def _lane_hist_count_byte(b, table):
     # b: byte values 0..255 (int32)
-    return tl.inline_asm_elementwise(asm=_LANE_HIST_COUNT_BYTE, constraints="=r,r,r",
-                                     args=[b, table + tl.zeros_like(b)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+    return _lane_hist_add(b, table, _LANE_HIST_COUNT_BYTE)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .ptx import (_lane_hist_count, _lane_hist_count_thr, _lane_hist_init_thr_ptx,
-                  _lane_hist_read2)
+                  _lane_hist_init_with, _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -67,13 +67,6 @@ _INIT_THR = tl.constexpr(_lane_hist_init_thr_ptx(_THR))
 
 
 @triton.jit
-def _lane_hist_init_thr(zero):
-    # the lane histogram and the threshold table (ptx.py); returns the histogram's address
-    return tl.inline_asm_elementwise(asm=_INIT_THR, constraints="=r,r", args=[zero],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _thr_key(u, N: tl.constexpr):
     # the interpreter's twin of the lane count: field + 256 when u >= the field's threshold
     fld = u >> 23
@@ -111,7 +104,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     f = tl.arange(0, 256)
     h2 = tl.zeros([512], dtype=tl.int32)
     if LANE:
-        table = _lane_hist_init_thr(pid * 0)
+        table = _lane_hist_init_with(pid * 0, _INIT_THR)  # and the threshold table
         tl.debug_barrier()
     step = nprog * TILE
     last = n_full - TILE

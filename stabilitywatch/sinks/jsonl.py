@@ -7,20 +7,16 @@ process cannot start, or with JsonlSink(process=False), they are written here.
 """
 from __future__ import annotations
 
-import logging
 import os
-import pickle
-import subprocess
-import sys
 from typing import Any, Optional, TextIO
 
 from ..alert import Alert
 from ..stats.derive import DerivedRow
 from . import jsonl_lines
 from .base import Sink
+from .child import HERE, Child
 
-log = logging.getLogger("stabilitywatch")
-_WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jsonl_writer.py")
+_WRITER = os.path.join(HERE, "jsonl_writer.py")
 _dumps = jsonl_lines.dumps
 _clean_record = jsonl_lines.clean_record
 
@@ -39,7 +35,7 @@ class JsonlSink(Sink):
         self.stats_path = os.path.join(self.run_dir, f"stats{suffix}.jsonl")
         self._alerts: Optional[TextIO] = None
         self._stats: Optional[TextIO] = None   # stats written here (no writer process)
-        self._writer: Optional[subprocess.Popen] = None
+        self._writer: Optional[Child] = None
         self._process = process
         self._closed = False
 
@@ -61,7 +57,7 @@ class JsonlSink(Sink):
         if self._writer is None and self._stats is None:
             self._start()
         if self._writer is not None:
-            self._send(("lines", to_parts(records)))
+            self._writer.send(("lines", to_parts(records)))
             return
         # One write per batch: a failure leaves earlier lines intact.
         self._stats.write(encode_records(records))
@@ -83,8 +79,7 @@ class JsonlSink(Sink):
                 f.flush()
                 os.fsync(f.fileno())
         if self._writer is not None:
-            self._send(("flush",))
-            self._reply()
+            self._writer.request(("flush",))
 
     def close(self) -> None:
         if self._closed:
@@ -93,13 +88,13 @@ class JsonlSink(Sink):
         files, self._alerts, self._stats = (self._alerts, self._stats), None, None
         error = None
         if self._writer is not None:
+            w, self._writer = self._writer, None
             try:
-                self._send(("close",))
-                self._reply()
+                w.request(("close",))
             except OSError as e:
                 error = e
             finally:
-                self._stop()
+                w.stop()
         for f in files:
             if f is None:
                 continue
@@ -116,51 +111,10 @@ class JsonlSink(Sink):
     # -- the writer process ------------------------------------------------------------------
     def _start(self) -> None:
         self._open(self.stats_path).close()  # the directory, and a partial last line ended
-        # a frozen application's executable is not a Python that runs scripts
-        if self._process and sys.executable and not getattr(sys, "frozen", False):
-            try:
-                self._writer = subprocess.Popen(
-                    [sys.executable, "-I", _WRITER, self.stats_path], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                return
-            except OSError as e:  # no interpreter to start: write here
-                log.info("stabilitywatch: JSONL writer process not started (%s); stats are "
-                         "written by the sink's thread", e)
-        self._stats = self._open(self.stats_path)
-
-    def _send(self, msg: tuple) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            self._writer.stdin.write(len(data).to_bytes(4, "little") + data)
-            self._writer.stdin.flush()
-        except OSError:  # the writer is gone: say why
-            self._reply()
-            raise
-
-    def _reply(self) -> None:
-        line = self._writer.stdout.readline().decode(errors="replace").strip()
-        if line == "ok":
-            return
-        if line.startswith("error "):
-            code, _, text = line[6:].partition(" ")
-            raise OSError(int(code) or None, text)
-        self._writer.wait(timeout=30)
-        err = self._writer.stderr.read().decode(errors="replace").strip().splitlines()
-        raise OSError(f"JSONL writer process exited ({self._writer.returncode}): "
-                      f"{err[-1] if err else 'no message'}")
-
-    def _stop(self) -> None:
-        w, self._writer = self._writer, None
-        for pipe in (w.stdin, w.stdout, w.stderr):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        try:
-            w.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            w.kill()
-            w.wait()
+        if self._process:
+            self._writer = Child.start(["-I", _WRITER, self.stats_path], "JSONL writer process")
+        if self._writer is None:
+            self._stats = self._open(self.stats_path)
 
 
 def _ends_with_newline(path: str) -> bool:
