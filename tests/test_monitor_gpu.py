@@ -11,9 +11,10 @@ from stabilitywatch.demo import build_model, make_batch, train_step
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def train_without_syncs(tmp_path, config: sw.Config) -> sw.Monitor:
+def train_without_syncs(tmp_path, config: sw.Config, before_close=None) -> sw.Monitor:
     """6 monitored steps of the demo model; steps 2-5 (after allocations and kernel compilation)
-    under set_sync_debug_mode("error"). Returns the closed monitor."""
+    under set_sync_debug_mode("error"). Returns the closed monitor (before_close(mon) runs
+    before it closes)."""
     model = build_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -32,6 +33,8 @@ def train_without_syncs(tmp_path, config: sw.Config) -> sw.Monitor:
                 opt.zero_grad(set_to_none=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    if before_close is not None:
+        before_close(mon)
     mon.close()
     return mon
 
@@ -74,7 +77,15 @@ def test_kernel_rows_equal_reference_rows_in_a_run(tmp_path):
 
 def test_host_snapshot_ring_does_not_sync(tmp_path):
     # the side-stream copy into pinned memory and the optimizer's wait on it are sync-free
+    seen = {}
+
+    def ring(mon):  # the pinned flat buffer and its views, while the monitor is open
+        slot = mon.capture.snap.slots[0]
+        seen.update(model=bool(slot.model), pinned=slot.host is not None and
+                    slot.host.flat.is_pinned())
+
     mon = train_without_syncs(tmp_path, sw.Config(every=1, sinks=("jsonl",),
-                                                  capture_snapshot_to="host"))
-    assert not mon.capture.snap.disabled and mon.capture.snap.slots[0].model
+                                                  capture_snapshot_to="host"), ring)
+    assert not mon.capture.snap.disabled and seen == {"model": True, "pinned": True}
+    assert mon.capture.snap.nbytes == 0   # close() freed the ring
     assert not mon.taps._failed
