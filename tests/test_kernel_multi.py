@@ -113,3 +113,18 @@ def test_add_many_plan_is_not_taken_for_other_tensors():
         f = buf.poll(block=True)[0]
         for i, t in enumerate(ts):
             assert_rows_match(f.rows[i], reference_row(t).numpy(), label=f"step {step} m{i}")
+
+
+def test_add_many_keeps_no_plan_for_tensor_scales():
+    # a tensor-valued scale lives on the device: the plan's signature must not read it (a sync
+    # on CUDA), and such a list is never repeated from a plan
+    from stabilitywatch.stats.buffer import _many_sig
+
+    class NoRead(torch.Tensor):
+        def __float__(self):
+            raise AssertionError("read a tensor scale on the host")
+
+    scale = torch.tensor(0.5).as_subclass(NoRead)
+    t = torch.randn(100)
+    assert _many_sig([(t, "m", "weight", scale)]) is None
+    assert _many_sig([(t, "m", "weight", 1.0)]) is not None

@@ -3,6 +3,7 @@ a process of the sink's own (tb_writer.py)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from array import array
 from typing import Any, Iterable, Optional
@@ -46,16 +47,20 @@ class TensorBoardSink(Sink):
         self._writer = None                      # the in-process SummaryWriter
         self._tags: dict[tuple[str, str], list[int]] = {}   # (module, tensor) -> tag numbers
         self._ntags = 0
+        self._start_lock = threading.Lock()
         self._closed = False
 
     def _start(self) -> None:
-        if self._child is not None or self._writer is not None:
-            return
-        if self._process:
-            self._child = Child.start([_WRITER, self.log_dir], "TensorBoard writer process",
-                                      handshake=True)
-        if self._child is None:
-            self._writer = self._summary_writer(log_dir=self.log_dir)
+        # the sink runner may deliver an alert on the training thread while its own thread is
+        # in log(): one writer, whoever comes first
+        with self._start_lock:
+            if self._child is not None or self._writer is not None:
+                return
+            if self._process:
+                self._child = Child.start([_WRITER, self.log_dir], "TensorBoard writer process",
+                                          handshake=True)
+            if self._child is None:
+                self._writer = self._summary_writer(log_dir=self.log_dir)
 
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:

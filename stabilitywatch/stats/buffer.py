@@ -116,7 +116,10 @@ class _ManyPlan:
 
 
 def _many_sig(items: list) -> Optional[tuple]:
-    # None: not cacheable (a tensor-valued scale)
+    # None: not cacheable (a tensor-valued scale: its value is on the device, and reading it
+    # would sync)
+    if any(isinstance(s, torch.Tensor) for _, _, _, s in items):
+        return None
     try:
         return tuple((t.data_ptr(), t.numel(), t.dtype, t.device, m, r, float(s))
                      for t, m, r, s in items)
