@@ -34,3 +34,29 @@ def test_host_ring_on_a_side_stream_captures_start_of_step_state(tmp_path):
         rep = sw.replay(tmp_path / "run" / c, device="cuda", progress=False)
         assert rep["reproduces"] is True, rep["reproduce"]["verdict"]
         assert rep["first_divergent_module"] == FAULT_MODULE, c
+
+
+def test_host_ring_with_cpu_optimizer_state(tmp_path):
+    # non-fused AdamW keeps `step` on the CPU: the device tensors still go through the flat
+    # pinned buffer on the side stream (not back onto the current stream), the CPU ones apart
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot_to="host"),
+                   run_dir=tmp_path)
+    for step in range(4):
+        with mon.step(step, batch=torch.randn(16, 64, device="cuda")):
+            loss = model(torch.randn(16, 64, device="cuda")).square().mean()
+            loss.backward()
+            mon.observe_loss(loss)
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    slot = max((s for s in mon.capture.snap.slots if s.step is not None), key=lambda s: s.step,
+               default=None) or mon.capture.snap.slots[0]
+    assert slot.host is not None and slot.ready is not None   # the side-stream path
+    steps = {k: v for k, v in slot.optim.items() if k.endswith(".step")}
+    assert steps and all(not v.is_cuda for v in steps.values())
+    assert all(i not in slot.host.flat_index for i, (k, _) in
+               enumerate(list(slot.model.items()) + list(slot.optim.items())) if k in steps)
+    mon.close()

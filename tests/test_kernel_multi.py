@@ -128,3 +128,15 @@ def test_add_many_keeps_no_plan_for_tensor_scales():
     t = torch.randn(100)
     assert _many_sig([(t, "m", "weight", scale)]) is None
     assert _many_sig([(t, "m", "weight", 1.0)]) is not None
+
+
+def test_add_many_plan_tells_strides_apart():
+    # same address, same count, other strides: base[:100] then base[::2] must not share a plan
+    base = torch.arange(200, dtype=torch.float32)
+    buf = StatsBuffer(backend="triton")
+    for step, t in enumerate((base[:100], base[::2])):
+        buf.begin_step(step)
+        buf.add_many([(t, "m", "weight", 1.0)], 1)
+        buf.end_step()
+        f = buf.poll(block=True)[0]
+        assert_rows_match(f.rows[0], reference_row(t).numpy(), label=f"step {step}")

@@ -128,3 +128,15 @@ def test_empty_hook_chains_are_passed_as_none(monkeypatch):
     monkeypatch.setattr(launch, "_knobs", Knobs)
     enter, leave = launch._hooks()
     assert enter is None and leave is Knobs.runtime.launch_exit_hook
+
+
+@pytest.mark.parametrize("tile", [1024, 2048])
+@pytest.mark.parametrize("tiles", [1, 131, 5000, 2**20, 2**21 + 7, 2**24])
+def test_tile_programs_keep_packed_counts_under_16_bits(tile, tiles):
+    # lane L of every warp adds to one packed 16-bit count per bin: a program may give it at most
+    # 65535 values, whatever the tensor's size (values all in one bin: an all-zero tensor)
+    from stabilitywatch.kernels.stats_triton import tile_programs
+    progs = min(tiles, tile_programs(tiles, tile, sms=132))
+    assert -(-tiles // progs) * (tile // 32) <= 65535
+    if tiles >= 132 * 8:
+        assert progs >= 132

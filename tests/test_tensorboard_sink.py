@@ -142,3 +142,57 @@ def test_numpy_crc32c_matches_tensorboards(n):
     for blocks in (1, 7, 64):
         assert tb_crc.crc32c(data, blocks) == crc32c(data)
     assert tb_crc.crc32c(b"123456789") == 0xE3069283   # the CRC-32C check value
+
+
+def test_alert_never_waits_for_a_busy_writer(tmp_path):
+    # the runner delivers alerts on the training thread when its own thread is stuck, e.g. in
+    # this sink writing to a full pipe: the alert must return at once and still arrive
+    import threading
+    import time as _time
+    sink = TensorBoardSink(tmp_path)
+    sink.log([record(0, "x", "output", absmax=1.0)])
+    sink._child._lock.acquire()   # another thread is sending
+    try:
+        t0 = _time.perf_counter()
+        done = threading.Event()
+        threading.Thread(target=lambda: (sink.alert(Alert(
+            step=3, detector="nonfinite", severity=Severity.CRITICAL, module="", tensor="loss",
+            stat="nan", value=1.0, threshold=0.0, message="late")), done.set())).start()
+        assert done.wait(5) and _time.perf_counter() - t0 < 5
+        assert len(sink._pending) == 1
+    finally:
+        sink._child._lock.release()
+    sink.log([record(1, "x", "output", absmax=2.0)])   # hands it over
+    sink.close()
+    (text,) = load(tmp_path / "tensorboard").Tensors("stabilitywatch/alerts/text_summary")
+    assert text.step == 3 and "late" in text.tensor_proto.string_val[0].decode()
+
+
+@pytest.mark.parametrize("script", ["print('hello', flush=True)\nimport time\ntime.sleep(60)\n",
+                                    "import time\ntime.sleep(60)\n",
+                                    "import sys\nsys.exit(3)\n"],
+                         ids=["chatty", "silent", "dies"])
+def test_writer_that_cannot_talk_is_stopped_and_replaced(tmp_path, monkeypatch, script):
+    # a writer that says something else, says nothing (past the timeout) or dies at start: the
+    # sink writes in-process, and the process is not left running
+    from stabilitywatch.sinks import child, tensorboard_sink
+    fake = tmp_path / "fake_writer.py"
+    fake.write_text(script)
+    monkeypatch.setattr(tensorboard_sink, "_WRITER", str(fake))
+    monkeypatch.setattr(child.Child, "timeout", 2.0)
+    started = []
+    real_init = child.Child.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        started.append(self.proc)
+
+    monkeypatch.setattr(child.Child, "__init__", spy)
+    sink = TensorBoardSink(tmp_path / "d", stats_keys=("mean",))
+    sink.log([record(2, "fc", "grad", mean=0.5)])
+    assert sink._child is None and sink._writer is not None
+    sink.close()
+    (proc,) = started
+    assert proc.poll() is not None, "the writer process was left running"
+    acc = load(tmp_path / "d" / "tensorboard")
+    assert [(e.step, e.value) for e in acc.Scalars("stabilitywatch/fc/grad/mean")] == [(2, 0.5)]

@@ -164,6 +164,8 @@ class Snapshotter:
         _copy([dst[i] for i in keep], [src[i] for i in keep])
         host = slot.host
         if slot.gather is None or slot.gather.key != tuple(t.data_ptr() for t in src):
+            for s in self.slots:  # plans hold views of the old tensors: let them go
+                s.gather = None
             slot.gather = Gather(src, host, CHUNK // 4)
         staging = self._staging.get(dev)
         if staging is None or staging.numel() < min(CHUNK // 4, host.words):
@@ -207,9 +209,11 @@ class Snapshotter:
         like = [t for _, t in mt + ot]
         on_host = self._on_host(like)
         devs = {t.device for t in like if t.is_cuda}
-        if on_host and len(devs) == 1 and all(t.is_cuda for t in like):
-            # one flat pinned buffer; module buffers apart (copied on the current stream)
-            apart = frozenset(i for i, (n, _) in enumerate(mt) if n in self._buffer_names)
+        if on_host and len(devs) == 1:
+            # one flat pinned buffer for the device tensors; apart: module buffers (copied on
+            # the current stream) and host tensors (non-fused Adam keeps `step` on the CPU)
+            apart = frozenset(i for i, (n, t) in enumerate(mt + ot)
+                              if n in self._buffer_names and i < len(mt) or not t.is_cuda)
             slot.host = HostBuffers(like, apart)
             views = iter(slot.host.views)
             slot.model = {n: next(views) for n, _ in mt}

@@ -247,6 +247,17 @@ def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
     return block, max(1, min(-(-n // block), max_progs))
 
 
+def tile_programs(tiles: int, tile: int, sms: int, per_sm: int = 8, per_prog: int = 8) -> int:
+    """Programs for `tiles` tiles of `tile` elements. The fast passes end each program with a
+    fixed epilogue (histogram readout, ~20 block reductions, the row's atomics): several tiles
+    per program, at least one program per SM. Their histogram packs 16-bit counts in words that
+    lane L of every warp shares: at most 65535 values per word and program, tile // 32 of them
+    per tile (past ~2^31 elements, more programs)."""
+    progs = min(sms * per_sm, max(sms, tiles // per_prog))
+    per_tile = tile // 32
+    return max(progs, -(-tiles * per_tile // (65535 - per_tile)))
+
+
 def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                      scale: "float | torch.Tensor" = 1.0, tune: "dict | None" = None) -> None:
     """Merge the statistics of a flat (1-D, contiguous) tensor into out_row, a float64 row of
@@ -278,16 +289,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
             n_full = n - n % tile
             tiles = n_full // tile
             if cuda:
-                sms = _sm_count(flat.device.index)
-                # the fast passes end each program with a fixed epilogue (histogram readout,
-                # ~20 block reductions, the row's atomics): give each program several tiles,
-                # keeping at least one program per SM
-                progs = min(sms * tune.get("progs_per_sm", 8),
-                            max(sms, tiles // tune.get("tiles_per_prog", 8)))
-                # the fast pass's histogram packs 16-bit counts per lane: at most 65535 values
-                # per lane and program (past ~2^34 elements, more programs)
-                per_tile = shape[0] * shape[2]
-                progs = max(progs, -(-tiles * per_tile // (65535 - per_tile)))
+                progs = tile_programs(tiles, tile, _sm_count(flat.device.index),
+                                      tune.get("progs_per_sm", 8), tune.get("tiles_per_prog", 8))
             else:
                 progs = 4
             launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Optional
 
@@ -28,40 +30,54 @@ def can_start() -> bool:
 
 
 class Child:
-    """A writer process; send() and request() may come from two threads (the sink runner
-    delivers an alert on the caller's thread when its worker is stuck)."""
+    """A writer process. send() and request() may come from two threads (the sink runner
+    delivers an alert on the caller's thread when its worker is stuck): a lock orders them, and
+    send(block=False) gives up instead of waiting for it."""
+
+    timeout = 120.0   # seconds a reply may take before the writer counts as hung
 
     def __init__(self, argv: list[str], label: str):
         self.label = label
+        # stderr to a file: a pipe nobody reads would stall a writer that prints warnings
+        self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, stderr=self._err)
         self._lock = threading.Lock()
 
     @classmethod
     def start(cls, argv: list[str], label: str, handshake: bool = False) -> Optional["Child"]:
-        """The running writer, or None when no process can be started here (the caller
-        writes in-process). handshake: wait for its "ready" line (its imports worked)."""
+        """The running writer, or None when no process can be started here or it says it
+        cannot work (the caller writes in-process). handshake: wait for its "ready" line."""
         if not can_start():
             return None
+        child = None
         try:
             child = cls(argv, label)
             if handshake:
                 child.reply("ready")
             return child
-        except OSError as e:
+        except (OSError, subprocess.SubprocessError) as e:
+            if child is not None:
+                child.stop(kill=True)
             log.info("stabilitywatch: %s not started (%s); the sink's thread writes", label, e)
             return None
 
-    def send(self, *msgs: tuple) -> None:
+    def send(self, *msgs: tuple, block: bool = True) -> bool:
+        """Queue messages for the writer; False (nothing sent) when block is False and another
+        thread is sending."""
         data = b"".join(len(d).to_bytes(4, "little") + d for d in
                         (pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in msgs))
-        with self._lock:
-            try:
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
-            except OSError:  # the writer is gone: say why
-                self.reply()
-                raise
+        if not self._lock.acquire(blocking=block):
+            return False
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except OSError:  # the writer is gone: say why
+            self.reply()
+            raise
+        finally:
+            self._lock.release()
+        return True
 
     def request(self, msg: tuple) -> None:
         """Send and wait for "ok" (flush, close)."""
@@ -74,22 +90,44 @@ class Child:
                 self.reply()
 
     def reply(self, want: str = "ok") -> None:
-        line = self.proc.stdout.readline().decode(errors="replace").strip()
+        out = self.proc.stdout
+        try:
+            ready = select.select([out], [], [], self.timeout)[0]
+        except (OSError, ValueError):  # no select on this pipe (not POSIX): read and wait
+            ready = [out]
+        if not ready:
+            self.stop(kill=True)
+            raise OSError(f"{self.label} did not answer within {self.timeout:.0f} s")
+        line = out.readline().decode(errors="replace").strip()
         if line == want:
             return
         if line.startswith("error "):
             code, _, text = line[6:].partition(" ")
             raise OSError(int(code) or None, text)
-        self.proc.wait(timeout=30)
-        err = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
-        raise OSError(f"{self.label} exited ({self.proc.returncode}): "
-                      f"{err[-1] if err else 'no message'}")
+        if line:  # alive, saying something else: not a writer we can talk to
+            self.stop(kill=True)
+            raise OSError(f"{self.label} said {line[:200]!r}")
+        try:  # end of output: it exited, or is exiting
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.stop(kill=True)
+        raise OSError(f"{self.label} exited ({self.proc.returncode}): {self._last_error()}")
 
-    def stop(self) -> None:
+    def _last_error(self) -> str:
+        try:
+            self._err.seek(0)
+            err = self._err.read().decode(errors="replace").strip().splitlines()
+        except (OSError, ValueError):
+            err = []
+        return err[-1] if err else "no message"
+
+    def stop(self, kill: bool = False) -> None:
         p = self.proc
-        for pipe in (p.stdin, p.stdout, p.stderr):
+        if kill and p.poll() is None:
+            p.kill()
+        for f in (p.stdin, p.stdout):
             try:
-                pipe.close()
+                f.close()
             except OSError:
                 pass
         try:
@@ -97,3 +135,7 @@ class Child:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        try:
+            self._err.close()
+        except OSError:
+            pass

@@ -48,11 +48,13 @@ class TensorBoardSink(Sink):
         self._tags: dict[tuple[str, str], list[int]] = {}   # (module, tensor) -> tag numbers
         self._ntags = 0
         self._start_lock = threading.Lock()
+        self._pending: list[tuple[str, int, float]] = []   # alerts not yet handed over
+        self._drain_lock = threading.Lock()
         self._closed = False
 
     def _start(self) -> None:
-        # the sink runner may deliver an alert on the training thread while its own thread is
-        # in log(): one writer, whoever comes first
+        # from the sink runner's thread only (log, flush, close): starting takes the writer's
+        # imports, ~1 s
         with self._start_lock:
             if self._child is not None or self._writer is not None:
                 return
@@ -66,6 +68,7 @@ class TensorBoardSink(Sink):
         if self._closed or not records:
             return
         self._start()
+        self._drain(block=True)
         if self._child is None:
             return self._log_here(records)
         new, by_step = [], {}
@@ -110,18 +113,42 @@ class TensorBoardSink(Sink):
                 self._writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def alert(self, alert: Alert) -> None:
+        # The runner may call this on the training thread, when its own thread is stuck (in this
+        # sink, say, writing to a full pipe): never wait here. The alert is queued and handed
+        # over now if nobody else is sending, else by the next log, flush or close.
         if self._closed:
             return
-        self._start()
-        if self._child is not None:
-            self._child.send(("text", "stabilitywatch/alerts", alert.line(), int(alert.step),
-                              time.time()))
-        else:
-            self._writer.add_text("stabilitywatch/alerts", alert.line(), int(alert.step))
+        self._pending.append((alert.line(), int(alert.step), time.time()))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        if self._child is None and self._writer is None:  # not started: log() will
+            return
+        if not self._drain_lock.acquire(blocking=block):
+            return
+        try:
+            items = []
+            while self._pending:
+                items.append(self._pending.pop(0))
+            if not items:
+                return
+            if self._child is not None:
+                msgs = [("text", "stabilitywatch/alerts", line, step, wall)
+                        for line, step, wall in items]
+                if not self._child.send(*msgs, block=block):
+                    self._pending[:0] = items   # the sender was busy: next time
+            else:
+                for line, step, _ in items:
+                    self._writer.add_text("stabilitywatch/alerts", line, step)
+        finally:
+            self._drain_lock.release()
 
     def flush(self) -> None:
         if self._closed:
             return
+        if self._pending:
+            self._start()
+        self._drain(block=True)
         if self._child is not None:
             self._child.request(("flush",))
         elif self._writer is not None:
@@ -130,12 +157,17 @@ class TensorBoardSink(Sink):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        child, self._child = self._child, None
-        if child is not None:
-            try:
-                child.request(("close",))
-            finally:
-                child.stop()
-        elif self._writer is not None:
-            self._writer.close()
+        try:
+            if self._pending:
+                self._start()
+            self._drain(block=True)
+        finally:
+            self._closed = True
+            child, self._child = self._child, None
+            if child is not None:
+                try:
+                    child.request(("close",))
+                finally:
+                    child.stop()
+            elif self._writer is not None:
+                self._writer.close()

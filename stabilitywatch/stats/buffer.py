@@ -121,7 +121,7 @@ def _many_sig(items: list) -> Optional[tuple]:
     if any(isinstance(s, torch.Tensor) for _, _, _, s in items):
         return None
     try:
-        return tuple((t.data_ptr(), t.numel(), t.dtype, t.device, m, r, float(s))
+        return tuple((t.data_ptr(), t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
                      for t, m, r, s in items)
     except (TypeError, RuntimeError, ValueError):
         return None
