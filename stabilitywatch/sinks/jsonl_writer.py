@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# this directory last: Python put it first (a script's own), where its modules (base.py,
+# runner.py, ...) would shadow any library's of the same name
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
 import child_loop  # noqa: E402
 import jsonl_lines  # noqa: E402
 
