@@ -73,7 +73,7 @@ class Monitor:
         self._step: Optional[int] = None
         self._on: frozenset[Role] = frozenset()
         self._warned: set[str] = set()
-        self._scales: dict[str, float] = {}   # role -> config.scale_for(role), a glob lookup
+        self._scales: dict[str, float] = {}   # role -> config.scale_for(role)
 
         self.modules = select_modules(model, config)
         self.schedule = Schedule(config)
@@ -210,15 +210,11 @@ class Monitor:
 
     def _record(self, t: torch.Tensor, module: str, role: str, phase: int, overwrite: bool,
                 scale: "float | torch.Tensor | None" = None) -> None:
-        if self._step is None:
-            return
-        if not is_supported(t):
-            self._warn_once(f"dtype:{module}:{role}",
-                            f"{module or '<model>'} {role}: dtype {t.dtype} is not supported; skipped")
+        if self._step is None or not self._readable(t, module, role):
             return
         t = self.dist.local(t, module, role)   # a DTensor's local shard
         self.buffer.add(t, module, role, phase,
-                        scale=self.config.scale_for(role) if scale is None else scale,
+                        scale=self._scale_for(role) if scale is None else scale,
                         overwrite=overwrite)
 
     def _record_many(self, items: list, phase: int, overwrite: bool) -> None:
@@ -227,17 +223,23 @@ class Monitor:
         warning; a failing batch raises (the tap that called it is switched off)."""
         if self._step is None:
             return
-        ready = []
-        for t, module, role in items:
-            if not is_supported(t):
-                self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
-                                f"{t.dtype} is not supported; skipped")
-                continue
-            scale = self._scales.get(role)
-            if scale is None:
-                scale = self._scales[role] = self.config.scale_for(role)
-            ready.append((self.dist.local(t, module, role), module, role, scale))
+        ready = [(self.dist.local(t, module, role), module, role, self._scale_for(role))
+                 for t, module, role in items if self._readable(t, module, role)]
         self.buffer.add_many(ready, phase, overwrite)
+
+    def _readable(self, t: torch.Tensor, module: str, role: str) -> bool:
+        if is_supported(t):
+            return True
+        self._warn_once(f"dtype:{module}:{role}",
+                        f"{module or '<model>'} {role}: dtype {t.dtype} is not supported; skipped")
+        return False
+
+    def _scale_for(self, role: str) -> float:
+        # config.scale_for is a glob lookup; a role's answer never changes (frozen config)
+        scale = self._scales.get(role)
+        if scale is None:
+            scale = self._scales[role] = self.config.scale_for(role)
+        return scale
 
     def _record_traced(self, t: torch.Tensor, module: str, role: str, phase: int) -> None:
         """The record path traced by torch.compile: a custom-op call on the step's rows. A slot
