@@ -83,7 +83,10 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "fast pass (v4 default: bf16 words, 2 loads/thread, 96-register cap; fp8 byte counts)": {},
+    "fast pass (v5 default: bf16 words, 2 loads/thread, 96-register cap, L2 prefetch 2 tiles "
+    "ahead; fp8 byte counts, 4 programs/SM, prefetch 4)": {},
+    "fast, no L2 prefetch (v4)": {"pref": 0},
+    "fast, no L2 prefetch, fp8 8 programs per SM (v4)": {"pref": 0, "progs_per_sm": 8},
     "careful pass only, warp ballots (v3)": {"fast": 0},
     "fast, bf16 one value per lane (no words)": {"words": False},
     "fast, no register cap": {"maxnreg": None},
@@ -95,21 +98,51 @@ VARIANTS = {
     "timing only (row wrong): fast without the threshold counts": {"fparts": 2},
     "timing only (row wrong): fast without both": {"fparts": 0},
     "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
+    "fast, L2 prefetch 4 tiles ahead": {"pref": 4},
+    "fast, 4 programs per SM": {"progs_per_sm": 4},
 }
 
 
+def _row(x, tune):
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+    row = init_row_tensor(x.device)
+    launch_row_stats(flat_view(x), row, 1.0, tune)
+    return row
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # every field bit for bit but the two float64 sums, whose atomic merge order varies
+    from stabilitywatch.stats.layout import Stat
+    sums = [int(Stat.SUM), int(Stat.SUMSQ)]
+    keep = torch.ones_like(a, dtype=torch.bool)
+    keep[sums] = False
+    return bool(torch.equal(a[keep], b[keep])
+                and torch.allclose(a[sums], b[sums], rtol=1e-12, atol=0))
+
+
 def run_variants(device, t, bw, match=(), dtypes=()) -> list[str]:
-    rows = ["| variant | dtype | ours us | floor us | ours / floor |", "|---|---|---:|---:|---:|"]
+    rows = ["| variant | dtype | ours us | floor us | ours / floor | row as default |",
+            "|---|---|---:|---:|---:|---|"]
     for name, dt in DTYPES.items():
         if dtypes and name not in dtypes:
             continue
         x = make((256 << 20) // dt.itemsize, dt, device)
         floor = 256 * 2**20 / bw
+        want = _row(x, None)
         for vname, tune in VARIANTS.items():
             if match and tune and not any(m in vname for m in match):
                 continue
-            us = t(kernel_fn(x, tune))
-            rows.append(f"| {vname} | {name} | {us:.1f} | {floor:.1f} | {us / floor:.2f} |")
+            if name not in tune.get("dtypes", (name,)):
+                continue
+            tune = {k: v for k, v in tune.items() if k != "dtypes"}
+            try:
+                us = t(kernel_fn(x, tune))
+            except RuntimeError as e:  # a variant that cannot launch (resources)
+                rows.append(f"| {vname} | {name} | failed: {str(e)[:60]} | | | |")
+                continue
+            same = "-" if "row wrong" in vname else str(_same(_row(x, tune), want))
+            rows.append(f"| {vname} | {name} | {us:.1f} | {floor:.1f} | {us / floor:.2f} | "
+                        f"{same} |")
     return rows
 
 

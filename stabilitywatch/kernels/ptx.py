@@ -119,14 +119,22 @@ def _lane_hist_init_thr_ptx(table: dict) -> str:
     {""" + rest)
 
 
+# %l = the table's address ($2) + 4 * lane: the same in every copy of a count, which ptxas then
+# computes once (an address built as ((bin * 32 + lane) * 4) + table took ~5 instructions per
+# element)
+_LANE_BASE = """
+    mov.u32 %l, %laneid;
+    shl.b32 %l, %l, 2;
+    add.u32 %l, %l, $2;"""
+
+
 def _lane_hist_count_thr_ptx() -> str:
     # One count of |x| bits $1 in bin f = $1 >> 23, adding 1 | (($1 >= table[f]) << 16): the
     # low half counts the values of field f, the high half those at or above the field's
     # threshold. Packed 16-bit counts: at most 65535 values per lane and program (launch_tile).
     return """{
     .reg .pred %p;
-    .reg .b32 %l, %f, %t, %a, %i;
-    mov.u32 %l, %laneid;
+    .reg .b32 %l, %f, %t, %a, %i;""" + _LANE_BASE + """
     shr.u32 %f, $1, 23;
     mov.u32 %a, sw_thr_table;
     shl.b32 %t, %f, 2;
@@ -134,10 +142,8 @@ def _lane_hist_count_thr_ptx() -> str:
     ld.shared.u32 %t, [%a];
     setp.ge.u32 %p, $1, %t;
     selp.u32 %i, 65537, 1, %p;
-    shl.b32 $0, %f, 5;
+    shl.b32 $0, %f, 7;
     add.u32 $0, $0, %l;
-    shl.b32 $0, $0, 2;
-    add.u32 $0, $0, $2;
     red.shared.add.u32 [$0], %i;
     }"""
 
@@ -145,17 +151,14 @@ def _lane_hist_count_thr_ptx() -> str:
 _LANE_HIST_COUNT_THR = tl.constexpr(_lane_hist_count_thr_ptx())
 
 
+
 def _lane_hist_count_ptx(shift: int) -> str:
-    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + 4 * (bin * 32 +
-    # lane). ptxas reads the lane id once for all the copies of this asm.
+    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4.
     return """{
-    .reg .b32 %l;
-    mov.u32 %l, %laneid;
+    .reg .b32 %l;""" + _LANE_BASE + """
     shr.u32 $0, $1, """ + str(shift) + """;
-    shl.b32 $0, $0, 5;
+    shl.b32 $0, $0, 7;
     add.u32 $0, $0, %l;
-    shl.b32 $0, $0, 2;
-    add.u32 $0, $0, $2;
     red.shared.add.u32 [$0], 1;
     }"""
 
@@ -251,3 +254,27 @@ def _lane_hist_read(bins):
     # bins: tl.arange(0, 256); after a barrier that follows the last count
     return tl.inline_asm_elementwise(asm=_LANE_HIST_READ, constraints="=r,r", args=[bins],
                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+# One thread of the program asks the copy engine to bring $2 bytes at address $1 (rounded down
+# to 16 bytes) into L2; no registers wait for it. The tile loops issue it a few tiles ahead, so
+# that their own loads find the bytes in L2: a program keeps one tile in registers, too little
+# in flight to hide HBM's latency at the occupancy its registers allow.
+_L2_PREFETCH = tl.constexpr("""{
+    .reg .pred %p;
+    .reg .b32 %t;
+    .reg .b64 %a;
+    mov.u32 %t, %tid.x;
+    setp.eq.u32 %p, %t, 0;
+    and.b64 %a, $1, -16;
+    @%p cp.async.bulk.prefetch.L2.global [%a], $2;
+    mov.u32 $0, 0;
+    }""")
+
+
+@triton.jit
+def _l2_prefetch(ptr, nbytes):
+    # ptr: a scalar pointer; nbytes: a multiple of 16
+    return tl.inline_asm_elementwise(asm=_L2_PREFETCH, constraints="=r,l,r",
+                                     args=[ptr.to(tl.int64), nbytes], dtype=tl.int32,
+                                     is_pure=False, pack=1)

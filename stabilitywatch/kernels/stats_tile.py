@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import FastLaunch
-from .ptx import _ballot_hist64
+from .ptx import _ballot_hist64, _l2_prefetch
 from .stats_triton import _decode_fp8, _emit_scalars, _put
 from .tile_fast import _fast_tiles
 from .tile_fp8 import _fp8_tiles
@@ -58,7 +58,8 @@ def _hist_window(u, valid, lo, NB: tl.constexpr, bins, TILE: tl.constexpr):
 @triton.jit
 def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
                    SCALED: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
-                   SUM32: tl.constexpr, PARTS: tl.constexpr, BALLOT: tl.constexpr):
+                   SUM32: tl.constexpr, PARTS: tl.constexpr, BALLOT: tl.constexpr,
+                   PREF: tl.constexpr = 0):
     # Every case (NaN/Inf, scaled thresholds, float32 subnormals): the row's scalar fields as a
     # 32-vector, the histogram, and the ballot histogram's per-lane counts and window.
     TILE: tl.constexpr = U * T * V
@@ -100,6 +101,9 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     for start in range(pid * TILE, n_full, step):
         cur = nxt
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
+        if PREF:
+            _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
+                         TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
         x, bits = _decode_tile(cur, FP8, U, T, V)
         u = bits & _MAXI
         nz = u != 0
@@ -214,7 +218,8 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
                        BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
                        WORDS: tl.constexpr = False, BYTES: tl.constexpr = False,
-                       FPARTS: tl.constexpr = 3):
+                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
+    # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
     # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
     # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
     # threshold counts, 2 = histogram).
@@ -231,23 +236,23 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     lanes = tl.arange(0, TILE)
     if FAST and BYTES and (FP8 == 1 or FP8 == 2):  # fp8: from the count of each byte value
         v = _fp8_tiles(x_ptr, out_ptr, scale, n_full, pid, nprog, lanes, FP8, U, T, V,
-                       FAST == 2)
+                       FAST == 2, PREF)
         hist = tl.zeros([HBINS], dtype=tl.int32)  # added by _fp8_tiles
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
     elif FAST:
         clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
-                                     FAST == 2, WORDS, FPARTS)
+                                     FAST == 2, WORDS, FPARTS, PREF)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
         if clean == 0:
             v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
-                                                   SCALED, U, T, V, SUM32, PARTS, 0)
+                                                   SCALED, U, T, V, SUM32, PARTS, 0, PREF)
     else:
         v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
-                                               SCALED, U, T, V, SUM32, PARTS, BALLOT)
+                                               SCALED, U, T, V, SUM32, PARTS, BALLOT, PREF)
     idx = tl.arange(0, 32)
     _emit_scalars(out_ptr, idx, v)
     bins = tl.arange(0, HBINS)
@@ -278,7 +283,8 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
                 scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
                 sum32: bool = False, parts: int = 3, ballot: bool = False,
                 direct: bool = False, fast: int = 0, words: bool = True,
-                bytes_: bool = False, maxnreg: "int | None" = None, fparts: int = 3) -> None:
+                bytes_: bool = False, maxnreg: "int | None" = None, fparts: int = 3,
+                pref: int = 0) -> None:
     """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
     histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
@@ -290,7 +296,7 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
     words = bool(fast and fp8 == 3 and words and x.data_ptr() % 4 == 0)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
                   PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
-                  BYTES=bytes_, FPARTS=fparts)
+                  BYTES=bytes_, FPARTS=fparts, PREF=pref)
     # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
     # what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}

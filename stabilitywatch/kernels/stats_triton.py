@@ -266,8 +266,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     Full tiles go to the tile kernel (stats_tile.py), the rest (small tensors, a tail) to the
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
-    direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts
-    (stats_tile.launch_tile)."""
+    direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts,
+    pref (stats_tile.launch_tile)."""
     n = flat.numel()
     if n == 0:
         return
@@ -288,20 +288,26 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
         if n >= tile:
             n_full = n - n % tile
             tiles = n_full // tile
+            scaled = has_ptr or scale_val != 1.0
+            # fp8 through its byte-count pass (stats_tile.launch_tile takes it when scaled too)
+            bytes_ = fp8 in (1, 2) and (tune.get("bytes", n_full >= FP8_BYTES_MIN) or scaled)
             if cuda:
-                progs = tile_programs(tiles, tile, _sm_count(flat.device.index),
-                                      tune.get("progs_per_sm", 8), tune.get("tiles_per_prog", 8))
+                # the fp8 byte-count pass: fewer programs (each ends with a long epilogue)
+                per_sm = tune.get("progs_per_sm", 4 if bytes_ else 8)
+                progs = tile_programs(tiles, tile, _sm_count(flat.device.index), per_sm,
+                                      tune.get("tiles_per_prog", 8))
             else:
                 progs = 4
             launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
-                        has_ptr or scale_val != 1.0, fp8, shape, min(tiles, progs),
+                        scaled, fp8, shape, min(tiles, progs),
                         num_warps=warps, sum32=tune.get("sum32", False),
                         parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
                         direct=cuda and tune.get("direct", True),
                         fast=tune.get("fast", 2 if cuda else 1), words=tune.get("words", True),
-                        bytes_=tune.get("bytes", fp8 in (1, 2) and n_full >= FP8_BYTES_MIN),
+                        bytes_=bytes_,
                         maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None),
-                        fparts=tune.get("fparts", 3))
+                        fparts=tune.get("fparts", 3),
+                        pref=tune.get("pref", 4 if bytes_ else 2) if cuda else 0)
             if n_full == n:
                 return
             x, n = x[n_full:], n - n_full

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_lane_hist_count, _lane_hist_count_thr, _lane_hist_init_thr_ptx,
-                  _lane_hist_init_with, _lane_hist_read2)
+from .ptx import (_l2_prefetch, _lane_hist_count, _lane_hist_count_thr,
+                  _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -84,14 +84,79 @@ def _above(h, ab, f, fld: tl.constexpr):
 
 
 @triton.jit
+def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl.constexpr,
+                V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
+                FPARTS: tl.constexpr):
+    # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators
+    TILE: tl.constexpr = U * T * V
+    w = tl.reshape(cur, [U, T, V // 2])
+    lo = w << 16
+    hi = w & -65536
+    xl = lo.to(tl.float32, bitcast=True)
+    xh = hi.to(tl.float32, bitcast=True)
+    ul = lo & 0x7FFFFFFF
+    uh = hi & 0x7FFFFFFF
+    mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
+    mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
+    um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
+                                     _tmin((uh - 1).to(tl.uint32, bitcast=True))))
+    if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
+        s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
+        s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
+    else:
+        l64 = xl.to(tl.float64)
+        h64 = xh.to(tl.float64)
+        s1 += _tsum(l64) + _tsum(h64)
+        s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
+    bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
+    if (FPARTS & 2) == 0:
+        pass
+    elif LANE and (FPARTS & 1):
+        _lane_hist_count_thr(ul, table)
+        _lane_hist_count_thr(uh, table)
+    elif LANE:
+        _lane_hist_count(ul, table)
+        _lane_hist_count(uh, table)
+    else:
+        h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
+        h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
+    return mn, mx, um1, s1, s2, bhi, h2
+
+
+@triton.jit
+def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8: tl.constexpr,
+                 U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr,
+                 LANE: tl.constexpr, FPARTS: tl.constexpr):
+    # one tile of float32 / fp16 / bf16 / fp8 values into the fast pass's accumulators
+    TILE: tl.constexpr = U * T * V
+    x, bits = _decode_tile(cur, FP8, U, T, V)
+    u = bits & 0x7FFFFFFF
+    mn = tl.minimum(mn, _tmin(x))
+    mx = tl.maximum(mx, _tmax(x))
+    um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
+    s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
+    if FP8 == 0 and (FPARTS & 1):  # float32 / fp16 input: fp16's subnormal limit
+        cs6 += _tsum((u > TS6).to(tl.int32))
+    if (FPARTS & 2) == 0:
+        pass
+    elif LANE and (FPARTS & 1):
+        _lane_hist_count_thr(u, table)
+    elif LANE:
+        _lane_hist_count(u, table)
+    else:
+        h2 += tl.histogram(_thr_key(u, TILE), 512)
+    return mn, mx, um1, s1, s2, blo, bhi, cs6, h2
+
+
+@triton.jit
 def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
                 T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3):
+                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
     # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
     # of tl.histogram. WORDS (bf16 at a 4-byte aligned address): two values per 32-bit word.
     # FPARTS (benchmarks only, timing what each part costs; the row is wrong without both):
-    # bit 0 the threshold counts, bit 1 the histogram.
+    # bit 0 the threshold counts, bit 1 the histogram. PREF (GPU): L2 prefetch, tiles ahead.
     TILE: tl.constexpr = U * T * V
     cs6 = tl.zeros([T], dtype=tl.int32)
     um1 = tl.full([T], 0xFFFFFFFF, tl.uint32)  # min of |x| bits - 1: zeros wrap to the top
@@ -106,68 +171,34 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     if LANE:
         table = _lane_hist_init_with(pid * 0, _INIT_THR)  # and the threshold table
         tl.debug_barrier()
+    else:
+        table = pid * 0
     step = nprog * TILE
     last = n_full - TILE
     if WORDS:  # bf16 read as 32-bit words, two values each
         TW: tl.constexpr = TILE // 2
         wp = x_ptr.to(tl.pointer_type(tl.int32))
         wl = tl.arange(0, TW)
+        # the next tile in registers while this one is reduced
         nxt = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE, last) // 2, TW) + wl)
         for start in range(pid * TILE, n_full, step):
             cur = nxt
             nxt = tl.load(wp + tl.multiple_of(tl.minimum(start + step, last) // 2, TW) + wl)
-            w = tl.reshape(cur, [U, T, V // 2])
-            lo = w << 16
-            hi = w & -65536
-            xl = lo.to(tl.float32, bitcast=True)
-            xh = hi.to(tl.float32, bitcast=True)
-            ul = lo & 0x7FFFFFFF
-            uh = hi & 0x7FFFFFFF
-            mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
-            mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
-            um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
-                                             _tmin((uh - 1).to(tl.uint32, bitcast=True))))
-            if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
-                s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
-                s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
-            else:
-                l64 = xl.to(tl.float64)
-                h64 = xh.to(tl.float64)
-                s1 += _tsum(l64) + _tsum(h64)
-                s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
-            bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
-            if (FPARTS & 2) == 0:
-                pass
-            elif LANE and (FPARTS & 1):
-                _lane_hist_count_thr(ul, table)
-                _lane_hist_count_thr(uh, table)
-            elif LANE:
-                _lane_hist_count(ul, table)
-                _lane_hist_count(uh, table)
-            else:
-                h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
-                h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
+            if PREF:
+                _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
+            mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
+                cur, mn, mx, um1, s1, s2, bhi, h2, table, U, T, V, SUM32, LANE, FPARTS)
     else:
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
         for start in range(pid * TILE, n_full, step):
             cur = nxt
             nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
-            x, bits = _decode_tile(cur, FP8, U, T, V)
-            u = bits & 0x7FFFFFFF
-            mn = tl.minimum(mn, _tmin(x))
-            mx = tl.maximum(mx, _tmax(x))
-            um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
-            s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
-            if FP8 == 0 and (FPARTS & 1):  # float32 / fp16 input: fp16's subnormal limit
-                cs6 += _tsum((u > TS6).to(tl.int32))
-            if (FPARTS & 2) == 0:
-                pass
-            elif LANE and (FPARTS & 1):
-                _lane_hist_count_thr(u, table)
-            elif LANE:
-                _lane_hist_count(u, table)
-            else:
-                h2 += tl.histogram(_thr_key(u, TILE), 512)
+            if PREF:
+                _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
+                             TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
+            mn, mx, um1, s1, s2, blo, bhi, cs6, h2 = _values_tile(
+                cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8, U, T, V, SUM32, LANE,
+                FPARTS)
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)

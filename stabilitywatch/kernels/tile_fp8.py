@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
+from .ptx import _l2_prefetch, _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
 from .stats_triton import _decode_fp8, _put
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _INF, _MAXI, _NEGINF)
@@ -26,26 +26,39 @@ def _count(h, sel):
 
 
 @triton.jit
+def _count_bytes(cur, h, table, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                 LANE: tl.constexpr):
+    if LANE:
+        _lane_hist_count_byte(tl.reshape(cur, [U, T, V]).to(tl.int32), table)
+    else:
+        h += tl.histogram(cur.to(tl.int32), 256)
+    return h
+
+
+@triton.jit
 def _fp8_tiles(x_ptr, out_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
-               U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr):
+               U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
+               PREF: tl.constexpr = 0):
     # Adds the row's histogram into out_ptr and returns the row's scalar fields as a 32-vector.
-    # LANE: the shared-memory lane histogram (GPU) instead of tl.histogram.
+    # LANE: the shared-memory lane histogram (GPU) instead of tl.histogram. PREF (GPU): L2
+    # prefetch, tiles ahead.
     TILE: tl.constexpr = U * T * V
     b = tl.arange(0, 256)
     h = tl.zeros([256], dtype=tl.int32)
     if LANE:
         table = _lane_hist_init(pid * 0)
         tl.debug_barrier()
+    else:
+        table = pid * 0
     step = nprog * TILE
     last = n_full - TILE
     nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
     for start in range(pid * TILE, n_full, step):
         cur = nxt
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(start + step, last), TILE) + lanes)
-        if LANE:
-            _lane_hist_count_byte(tl.reshape(cur, [U, T, V]).to(tl.int32), table)
-        else:
-            h += tl.histogram(cur.to(tl.int32), 256)
+        if PREF:
+            _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE)
+        h = _count_bytes(cur, h, table, U, T, V, LANE)
     if LANE:
         tl.debug_barrier()
         h = _lane_hist_read(b)
