@@ -100,6 +100,11 @@ VARIANTS = {
     "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
     "fast, L2 prefetch 4 tiles ahead": {"pref": 4},
     "fast, 4 programs per SM": {"progs_per_sm": 4},
+    "fast, 6 programs per SM": {"progs_per_sm": 6},
+    "fast, 4 tiles per program": {"tiles_per_prog": 4},
+    "fast, 16 tiles per program": {"tiles_per_prog": 16},
+    "fast, 32 tiles per program": {"tiles_per_prog": 32},
+    "fast, 16 tiles per program, 4 programs per SM": {"tiles_per_prog": 16, "progs_per_sm": 4},
 }
 
 
@@ -120,14 +125,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                 and torch.allclose(a[sums], b[sums], rtol=1e-12, atol=0))
 
 
-def run_variants(device, t, bw, match=(), dtypes=()) -> list[str]:
+def run_variants(device, t, bw, match=(), dtypes=(), mib=256) -> list[str]:
     rows = ["| variant | dtype | ours us | floor us | ours / floor | row as default |",
             "|---|---|---:|---:|---:|---|"]
     for name, dt in DTYPES.items():
         if dtypes and name not in dtypes:
             continue
-        x = make((256 << 20) // dt.itemsize, dt, device)
-        floor = 256 * 2**20 / bw
+        x = make((mib << 20) // dt.itemsize, dt, device)
+        floor = mib * 2**20 / bw
         want = _row(x, None)
         for vname, tune in VARIANTS.items():
             if match and tune and not any(m in vname for m in match):
@@ -154,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--match", default="", help="--variants: only those whose name contains one "
                    "of these ;-separated strings (and the default)")
     p.add_argument("--dtypes", default="", help="--variants: ;-separated, e.g. bf16;fp32")
+    p.add_argument("--mib", default="256", help="--variants: tensor sizes in MiB, ;-separated")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     t = timer(device)
@@ -161,8 +167,13 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"# bench_stats on {name}: read bandwidth {bw / 1e3:.3f} GB/ms (TB/s) from torch.sum")
     split = lambda v: tuple(x for x in v.split(";") if x)  # noqa: E731
-    rows = (run_variants(device, t, bw, split(a.match), split(a.dtypes)) if a.variants
-            else run_sizes(a, device, t, bw))
+    if a.variants:
+        rows = []
+        for mib in split(a.mib):
+            rows += [f"\n{mib} MiB:"] + run_variants(device, t, bw, split(a.match),
+                                                    split(a.dtypes), int(mib))
+    else:
+        rows = run_sizes(a, device, t, bw)
     print("\n".join(rows))
     return 0
 
