@@ -83,10 +83,10 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "fast pass (v5 default: bf16 words, 2 loads/thread, 96-register cap, L2 prefetch 2 tiles "
-    "ahead; fp8 byte counts, 4 programs/SM, prefetch 4)": {},
-    "fast, no L2 prefetch (v4)": {"pref": 0},
-    "fast, no L2 prefetch, fp8 8 programs per SM (v4)": {"pref": 0, "progs_per_sm": 8},
+    "fast pass (v5 default: bf16 words, 2 loads/thread, 96-register cap, 4 programs/SM, L2 "
+    "prefetch 2 tiles ahead; fp8 byte counts, prefetch 4)": {},
+    "fast, 8 programs per SM": {"progs_per_sm": 8},
+    "fast, 8 programs per SM, no L2 prefetch (v4)": {"pref": 0, "progs_per_sm": 8},
     "careful pass only, warp ballots (v3)": {"fast": 0},
     "fast, bf16 one value per lane (no words)": {"words": False},
     "fast, no register cap": {"maxnreg": None},
@@ -99,7 +99,6 @@ VARIANTS = {
     "timing only (row wrong): fast without both": {"fparts": 0},
     "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
     "fast, L2 prefetch 4 tiles ahead": {"pref": 4},
-    "fast, 4 programs per SM": {"progs_per_sm": 4},
     "fast, 6 programs per SM": {"progs_per_sm": 6},
     "fast, 4 tiles per program": {"tiles_per_prog": 4},
     "fast, 16 tiles per program": {"tiles_per_prog": 16},

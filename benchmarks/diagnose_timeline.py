@@ -127,7 +127,7 @@ def analyse_window(trace: str, label: str) -> None:
 CONFIGS = {"none": lambda: None, "default": lambda: sw.Config(sinks=("jsonl",)),
            "default-nosinks": lambda: sw.Config(sinks=()),
            "default-nocapture": lambda: sw.Config(sinks=("jsonl",), capture=()),
-           "full": full_coverage}
+           "full": full_coverage, "full-nosnap": lambda: full_coverage(False)}
 
 
 @contextlib.contextmanager

@@ -247,7 +247,7 @@ def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
     return block, max(1, min(-(-n // block), max_progs))
 
 
-def tile_programs(tiles: int, tile: int, sms: int, per_sm: int = 8, per_prog: int = 8) -> int:
+def tile_programs(tiles: int, tile: int, sms: int, per_sm: int = 4, per_prog: int = 8) -> int:
     """Programs for `tiles` tiles of `tile` elements. The fast passes end each program with a
     fixed epilogue (histogram readout, ~20 block reductions, the row's atomics): several tiles
     per program, at least one program per SM. Their histogram packs 16-bit counts in words that
@@ -292,10 +292,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
             # fp8 through its byte-count pass (stats_tile.launch_tile takes it when scaled too)
             bytes_ = fp8 in (1, 2) and (tune.get("bytes", n_full >= FP8_BYTES_MIN) or scaled)
             if cuda:
-                # the fp8 byte-count pass: fewer programs (each ends with a long epilogue)
-                per_sm = tune.get("progs_per_sm", 4 if bytes_ else 8)
-                progs = tile_programs(tiles, tile, _sm_count(flat.device.index), per_sm,
-                                      tune.get("tiles_per_prog", 8))
+                progs = tile_programs(tiles, tile, _sm_count(flat.device.index),
+                                      tune.get("progs_per_sm", 4), tune.get("tiles_per_prog", 8))
             else:
                 progs = 4
             launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
