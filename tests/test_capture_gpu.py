@@ -60,3 +60,20 @@ def test_host_ring_with_cpu_optimizer_state(tmp_path):
     assert all(i not in slot.host.flat_index for i, (k, _) in
                enumerate(list(slot.model.items()) + list(slot.optim.items())) if k in steps)
     mon.close()
+
+
+def test_auto_ring_counts_the_optimizer_state_to_come():
+    # Before the first optimizer step Adam has no state: a ring sized on the weights alone would
+    # fit the device's 1 % (2 x 0.4 % here) and go there, then move to the host once the state
+    # exists (3 x that). The first snapshot must already go to the host.
+    from stabilitywatch.capture.snapshot import Snapshotter
+    total = torch.cuda.get_device_properties(0).total_memory
+    n = int(total * 0.004) // 4  # float32 weights: 0.4 % of the device
+    model = torch.nn.Linear(1, n, bias=False).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    snap = Snapshotter(model, opt, ring=2)
+    before = torch.cuda.memory_allocated()
+    slot = snap.take(0, None, 0)
+    assert slot is not None and slot.host is not None  # pinned host ring, no device copy
+    assert torch.cuda.memory_allocated() - before < 4 * n // 2
+    snap.close()

@@ -207,7 +207,7 @@ class Snapshotter:
         slot.sig, slot.model, slot.optim = (), {}, {}   # drop the old buffers first
         slot.host = slot.gather = None
         like = [t for _, t in mt + ot]
-        on_host = self._on_host(like)
+        on_host = self._on_host(like, self._state_to_come(mt))
         devs = {t.device for t in like if t.is_cuda}
         if on_host and len(devs) == 1:
             # one flat pinned buffer for the device tensors; apart: module buffers (copied on
@@ -223,7 +223,18 @@ class Snapshotter:
             slot.optim = {n: _empty(t, on_host) for n, t in ot}
         slot.sig = sig
 
-    def _on_host(self, tensors: list[torch.Tensor]) -> bool:
+    def _state_to_come(self, mt) -> int:
+        """Bytes of optimizer state not created yet: before the first optimizer step (Adam and
+        the like create theirs there), two tensors per floating-point parameter are assumed.
+        Otherwise the first snapshot would size the ring without them and put it on the
+        device, and the next one move it to the host: a device copy of the weights held for
+        nothing through the first steps (+4 % peak memory on GPT-2 small)."""
+        if self.optimizer is None or any(self.optimizer.state.values()):
+            return 0
+        return 2 * sum(t.numel() * t.element_size() for n, t in mt
+                       if n not in self._buffer_names and t.is_floating_point())
+
+    def _on_host(self, tensors: list[torch.Tensor], extra: int = 0) -> bool:
         if self.target is SnapshotTarget.HOST:
             return True
         if self.target is SnapshotTarget.DEVICE:
@@ -231,7 +242,8 @@ class Snapshotter:
         # auto: the whole ring on the device only while it takes <= 1% of the device's memory;
         # the monitor's peak-memory budget is 2 % (issue 3), and a ring holds two copies of the
         # weights and optimizer state (GPT-2 small on an H200: 3.7 GiB = 2.6 %: host)
-        need = len(self.slots) * sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+        need = len(self.slots) * (extra + sum(t.numel() * t.element_size() for t in tensors
+                                              if t.is_cuda))
         devs = {t.device for t in tensors if t.is_cuda}
         if not devs:
             return False
