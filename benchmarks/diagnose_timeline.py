@@ -16,8 +16,10 @@ idle gaps, and the CPU operators the host was in when the largest gaps began.
 """
 from __future__ import annotations
 
+
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -127,7 +129,9 @@ def analyse_window(trace: str, label: str) -> None:
 CONFIGS = {"none": lambda: None, "default": lambda: sw.Config(sinks=("jsonl",)),
            "default-nosinks": lambda: sw.Config(sinks=()),
            "default-nocapture": lambda: sw.Config(sinks=("jsonl",), capture=()),
-           "full": full_coverage, "full-nosnap": lambda: full_coverage(False)}
+           "full": full_coverage, "full-nosnap": lambda: full_coverage(False),
+           "full-devsnap": lambda: dataclasses.replace(full_coverage(),
+                                                       capture_snapshot_to="device")}
 
 
 @contextlib.contextmanager

@@ -278,3 +278,11 @@ def _l2_prefetch(ptr, nbytes):
     return tl.inline_asm_elementwise(asm=_L2_PREFETCH, constraints="=r,l,r",
                                      args=[ptr.to(tl.int64), nbytes], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _halves_sum(w):
+    # (w & 0xFFFF) + (w >> 16 & 0xFFFF) in one instruction: dp2a adds the two unsigned 16-bit
+    # halves of w, each times 1 (bytes 0 and 1 of 257)
+    return tl.inline_asm_elementwise(asm="dp2a.lo.u32.u32 $0, $1, 257, 0;", constraints="=r,r",
+                                     args=[w], dtype=tl.int32, is_pure=True, pack=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_l2_prefetch, _lane_hist_count, _lane_hist_count_thr,
+from .ptx import (_halves_sum, _l2_prefetch, _lane_hist_count, _lane_hist_count_thr,
                   _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _decode_tile, _tmax, _tmin, _tsum)
@@ -108,7 +108,10 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
         h64 = xh.to(tl.float64)
         s1 += _tsum(l64) + _tsum(h64)
         s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
-    bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
+    if LANE:  # GPU
+        bhi += _tsum(_halves_sum(w)).to(tl.int64)
+    else:
+        bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
     if (FPARTS & 2) == 0:
         pass
     elif LANE and (FPARTS & 1):
