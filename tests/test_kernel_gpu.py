@@ -219,3 +219,26 @@ def test_gpu_many_tensors_in_one_launch(dname):
     launch_many([t.reshape(-1) for t in ts], rows, slots)
     for t, s in zip(ts, slots):
         assert_rows_match(rows[s], reference_row(t), sum_rtol=1e-12, label=f"{dname} {t.numel()}")
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "fp16"])
+def test_gpu_large_tensors_in_one_tile_launch(dname):
+    # kernels/tile_multi.py through dispatch.accumulate_many: full tiles of every large tensor
+    # in one launch (clean data takes the fast pass, NaN/Inf the careful pass), tails with the
+    # small tensors; each row as the reference's
+    from stabilitywatch.kernels import dispatch
+    from stabilitywatch.kernels.tile_multi import TileManyLaunch
+
+    dt = DTYPES[dname]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    clean = (torch.randn(3 * 2**20 + 77, device="cuda", generator=g) * 0.02).to(dt)
+    wide = gpu_values(2**22, dt, seed=9)  # NaN/Inf and every threshold
+    big = torch.randn(2**25, device="cuda", generator=g).to(dt)
+    tr = torch.randn(768, 3072, device="cuda", generator=g).to(dt).t()
+    small = gpu_values(4097, dt, seed=2)
+    ts, slots = [clean, wide, small, big, tr], [3, 0, 6, 1, 7]
+    rows = torch.stack([init_row_tensor("cuda") for _ in range(8)])
+    launches = dispatch.accumulate_many(ts, rows, slots)
+    assert sum(isinstance(x, TileManyLaunch) for x in launches) == 1
+    for t, s in zip(ts, slots):
+        assert_rows_match(rows[s], reference_row(t), sum_rtol=1e-12, label=f"{dname} {t.shape}")

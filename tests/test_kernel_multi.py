@@ -140,3 +140,32 @@ def test_add_many_plan_tells_strides_apart():
         buf.end_step()
         f = buf.poll(block=True)[0]
         assert_rows_match(f.rows[0], reference_row(t).numpy(), label=f"step {step}")
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "fp16"])
+def test_large_tensors_share_one_tile_launch(dname):
+    # tensors above MULTI_MAX: their full tiles in one tile_multi launch, their tails with the
+    # small tensors; one has NaN/Inf (its programs take the careful pass), one is a transpose
+    from stabilitywatch.kernels.tile_multi import TileManyLaunch
+    dt = DTYPES[dname]
+    g = torch.Generator().manual_seed(3)
+    plain = (torch.randn(MULTI_MAX + 3, generator=g) * 3).to(dt)
+    bad = torch.randn(2 * MULTI_MAX, generator=g).to(dt)
+    bad[100], bad[MULTI_MAX + 5], bad[7] = float("nan"), float("inf"), 0.0
+    wide = torch.randn(520, 512, generator=g).to(dt).t()  # dense, not contiguous
+    small = tensors(dt)[2]
+    ts, slots = [plain, small, bad, wide], [4, 1, 0, 6]
+    assert all(dispatch.tileable(t, 1.0, "triton") for t in (plain, bad, wide))
+    assert not dispatch.tileable(small, 1.0, "triton") and not dispatch.tileable(plain, 2.0, "triton")
+    assert not dispatch.tileable(plain[1:], 1.0, "triton")  # not 16-byte aligned
+    assert not dispatch.tileable(torch.zeros(MULTI_MAX + 1).to(torch.float8_e4m3fn), 1.0, "triton")
+    rows = torch.stack([init_row_tensor("cpu") for _ in range(8)])
+    launches = dispatch.accumulate_many(ts, rows, slots)
+    assert sum(isinstance(x, TileManyLaunch) for x in launches) == 1
+    for t, s in zip(ts, slots):
+        assert_rows_match(rows[s], reference_row(t), label=f"{dname} {tuple(t.shape)}")
+    again = torch.stack([init_row_tensor("cpu") for _ in range(8)])
+    for lk in launches:  # a kept launch, run again on fresh rows, gives the same rows
+        lk.run(again)
+    for s in slots:
+        assert_rows_match(again[s], rows[s], label=f"{dname} again {s}")

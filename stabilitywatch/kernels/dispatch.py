@@ -97,18 +97,44 @@ def batchable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "au
             and _kernel_ok(t, backend))
 
 
+def tileable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "auto") -> bool:
+    """True when t, too large for batchable(), can share a multi-tensor launch of the tile
+    kernel (kernels/tile_multi.py): float32, bf16 or fp16 on a device the kernel runs on, scale
+    1, read in place at a 16-byte aligned address."""
+    return (not isinstance(scale, torch.Tensor) and scale == 1.0 and t.numel() > MULTI_MAX
+            and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _kernel_ok(t, backend) and viewable(t) and t.data_ptr() % 16 == 0)
+
+
 def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
-    """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype. Every
-    tensor must pass batchable(); no host sync. Returns the launches (stats_multi.ManyLaunch),
-    which run again on the same tensors (same storage) without host work per tensor."""
+    """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype for the
+    small tensors (and the large ones' tails), one per dtype for the large tensors' full tiles.
+    Every tensor must pass batchable() or tileable(); no host sync. Returns the launches
+    (stats_multi.ManyLaunch, tile_multi.TileManyLaunch), which run again on the same tensors
+    (same storage) without host work per tensor."""
     from .stats_multi import launch_many
-    by_dtype: dict = {}
+    from .tile_multi import TileManyLaunch, full_tiles
+    small: dict = {}
+    large: dict = {}
     for t, s in zip(ts, slots):
-        by_dtype.setdefault(t.dtype, ([], []))
-        flats, ss = by_dtype[t.dtype]
-        flats.append(flat_view(t))
-        ss.append(s)
-    return [launch_many(flats, rows, ss) for flats, ss in by_dtype.values()]
+        f = flat_view(t)
+        if f.numel() > MULTI_MAX:
+            n_full = full_tiles(f)
+            large.setdefault(t.dtype, ([], []))
+            large[t.dtype][0].append(f)
+            large[t.dtype][1].append(s)
+            f = f[n_full:]
+            if f.numel() == 0:
+                continue
+        small.setdefault(t.dtype, ([], []))
+        small[t.dtype][0].append(f)
+        small[t.dtype][1].append(s)
+    launches = [launch_many(flats, rows, ss) for flats, ss in small.values()]
+    for flats, ss in large.values():
+        launch = TileManyLaunch(flats, ss, rows.device)
+        launch.run(rows)
+        launches.append(launch)
+    return launches
 
 
 def compute_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0,

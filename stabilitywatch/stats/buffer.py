@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..kernels.dispatch import accumulate, accumulate_many, batchable, viewable
+from ..kernels.dispatch import accumulate, accumulate_many, batchable, tileable, viewable
 from .derive import derive_many
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
 
@@ -166,8 +166,9 @@ class StatsBuffer:
         accumulate(t, row, scale, self.backend)
 
     def add_many(self, items: list, phase: int, overwrite: bool = False) -> None:
-        """add() for each (tensor, module, role, scale) of items; the small tensors at scale 1
-        that the kernel reads share one launch per device and dtype (kernels/stats_multi.py).
+        """add() for each (tensor, module, role, scale) of items; the tensors at scale 1 that the
+        kernel reads share one launch per device and dtype (kernels/stats_multi.py), and the
+        large float32/bf16/fp16 ones another (kernels/tile_multi.py).
         The next call with the same tensors in the same order repeats those launches."""
         sig = _many_sig(items)
         plan = self._plans.get((phase, overwrite))
@@ -187,7 +188,7 @@ class StatsBuffer:
         for k, (t, module, role, scale) in enumerate(items):
             slot, row = self._prepare(t, module, role, phase, scale, overwrite)
             slots.append(slot)
-            if batchable(t, scale, self.backend):
+            if batchable(t, scale, self.backend) or tileable(t, scale, self.backend):
                 if not viewable(t):  # the table would hold a temporary copy's address
                     sig = None
                 groups.setdefault(t.device, ([], []))

@@ -1,0 +1,110 @@
+"""Many large tensors of one dtype in one launch of the tile kernel's passes.
+
+The taps over parameters read ~50 tensors of 0.5-40 M elements per role each sampled step
+(weights, gradients, Adam's two states): one launch each cost ~9-16 us of GPU time for a few
+MB (the launch gap, a grid's ramp and tail, each program's epilogue), ~2.5 ms per sampled step
+for GPT-2 small against ~0.5 ms of bytes. Here one grid holds every program of every tensor: a
+table maps each program to its tensor (address, full-tile elements, row slot, programs of that
+tensor) and to its index among them; each runs the fast pass (or the careful pass, for data the
+fast pass cannot count) on its share of its tensor, as stats_tile does for one tensor. The tails
+(elements past the last full tile) go to stats_multi's launch with the small tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..stats.layout import N_STATS
+from .launch import FastLaunch
+from .stats_tile import _careful_tiles, tile_shape
+from .stats_triton import _emit_scalars, _interpreting, _sm_count, tile_programs
+from .tile_fast import _fast_tiles
+from .tile_ops import HBINS, O_HIST
+
+ROW = tl.constexpr(N_STATS)
+# how a program reads its tensor: 0 float32, 1 float16, 3 bf16 bits (as in stats_tile: FP8 code)
+_ELT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 3}
+DTYPES = tuple(_ELT)
+
+
+@triton.jit
+def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.constexpr,
+                       T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
+                       WORDS: tl.constexpr, PREF: tl.constexpr):
+    g = tl.program_id(0)
+    k = tl.load(prog_ptr + 2 * g)
+    pid = tl.load(prog_ptr + 2 * g + 1)
+    addr = tl.load(table_ptr + 4 * k)
+    n_full = tl.load(table_ptr + 4 * k + 1)
+    slot = tl.load(table_ptr + 4 * k + 2)
+    nprog = tl.load(table_ptr + 4 * k + 3).to(tl.int32)
+    if ELT == 0:
+        x_ptr = addr.to(tl.pointer_type(tl.float32))
+    elif ELT == 1:
+        x_ptr = addr.to(tl.pointer_type(tl.float16))
+    else:
+        x_ptr = addr.to(tl.pointer_type(tl.int16))
+    x_ptr = tl.multiple_of(x_ptr, 16)  # 16-byte aligned (dispatch.tileable): vector loads
+    FP8: tl.constexpr = 3 if ELT == 3 else 0
+    out_ptr = rows_ptr + slot * ROW
+    lanes = tl.arange(0, U * T * V)
+    hc0 = tl.zeros([T], dtype=tl.int32)  # the careful pass's ballot counts: off here
+    hc1 = hc0
+    e0 = pid * 0
+    clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, False, LANE,
+                                 WORDS, 3, PREF)
+    if clean == 0:
+        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, FP8,
+                                               False, U, T, V, False, 3, 0, PREF)
+    _emit_scalars(out_ptr, tl.arange(0, 32), v)
+    bins = tl.arange(0, HBINS)
+    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,
+                  sem="relaxed")
+
+
+class TileManyLaunch:
+    """One launch over the full tiles of several tensors of one dtype, kept: its tables hold
+    addresses (no tensor references), valid while the tensors keep their storage."""
+
+    def __init__(self, flats: list, slots: list, device: torch.device):
+        dtype = flats[0].dtype
+        self.cuda = device.type == "cuda" and not _interpreting()
+        u, t, v = self.shape = tile_shape(dtype.itemsize, not self.cuda)
+        tile = u * t * v
+        sms = _sm_count(device.index) if self.cuda else 1
+        table, progs = [], []
+        for k, (f, s) in enumerate(zip(flats, slots)):
+            tiles = f.numel() // tile
+            # ~8 tiles per program (the grid is shared: no tensor needs a program per SM),
+            # at most 4 per SM, and within the 16-bit histogram counts (tile_programs)
+            n = min(tiles, tile_programs(tiles, tile, 1, 4 * sms) if self.cuda else 4)
+            table += (f.data_ptr(), tiles * tile, s, n)
+            progs += [x for p in range(n) for x in (k, p)]
+        pin = self.cuda
+        self.table = torch.tensor(table, dtype=torch.int64, pin_memory=pin).to(
+            device, non_blocking=True)
+        self.progs = torch.tensor(progs, dtype=torch.int32, pin_memory=pin).to(
+            device, non_blocking=True)
+        self.grid = len(progs) // 2
+        words = dtype == torch.bfloat16 and all(f.data_ptr() % 4 == 0 for f in flats)
+        self.consts = dict(ELT=_ELT[dtype], U=u, T=t, V=v, LANE=self.cuda, WORDS=words,
+                           PREF=2 if self.cuda else 0)
+        # as for one tensor (stats_triton.launch_row_stats): a register cap for bf16
+        self.opts = {"maxnreg": 96} if self.cuda and dtype == torch.bfloat16 else {}
+
+    def run(self, rows: torch.Tensor) -> None:
+        if self.cuda:
+            _launch(self.grid, (self.table, self.progs, rows), self.consts, 4, **self.opts)
+        else:  # the interpreter
+            _multi_tile_kernel[(self.grid,)](self.table, self.progs, rows, **self.consts,
+                                            num_warps=4)
+
+
+def full_tiles(t: torch.Tensor) -> int:
+    """Elements of the flat tensor t that lie in full tiles of the tile kernel."""
+    u, tt, v = tile_shape(t.element_size(), t.device.type != "cuda" or _interpreting())
+    return t.numel() - t.numel() % (u * tt * v)
+
+
+_launch = FastLaunch(_multi_tile_kernel)
