@@ -45,7 +45,9 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
         x_ptr = addr.to(tl.pointer_type(tl.float16))
     else:
         x_ptr = addr.to(tl.pointer_type(tl.int16))
-    x_ptr = tl.multiple_of(x_ptr, 16)  # 16-byte aligned (dispatch.tileable): vector loads
+    # 16-byte aligned (dispatch.tileable): vector loads. The hint must follow a cast made here:
+    # on the result of a helper's cast (stats_multi has the same four lines) it is lost
+    x_ptr = tl.multiple_of(x_ptr, 16)
     FP8: tl.constexpr = 3 if ELT == 3 else 0
     out_ptr = rows_ptr + slot * ROW
     lanes = tl.arange(0, U * T * V)
