@@ -169,3 +169,45 @@ def test_large_tensors_share_one_tile_launch(dname):
         lk.run(again)
     for s in slots:
         assert_rows_match(again[s], rows[s], label=f"{dname} again {s}")
+
+
+def test_add_many_overwrite_keeps_the_last_write_of_a_row():
+    # overwrite=True and one (module, role) twice: as add() one after the other, the second
+    # tensor's statistics replace the first's, small or large
+    a, b = torch.randn(MULTI_MAX + 1), torch.randn(MULTI_MAX + 5) * 4
+    c, d = torch.randn(100), torch.randn(300)
+    items = [(a, "m", "grad", 1.0), (c, "s", "grad", 1.0), (b, "m", "grad", 1.0),
+             (d, "s", "grad", 1.0)]
+    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    for buf in (one, many):
+        buf.begin_step(0)
+    for t, m, r, s in items:
+        one.add(t, m, r, 2, scale=s, overwrite=True)
+    many.add_many(items, 2, overwrite=True)
+    for buf in (one, many):
+        buf.end_step()
+    f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
+    assert f1.keys == f2.keys == [("m", "grad"), ("s", "grad")]
+    for i, key in enumerate(f1.keys):
+        assert_rows_match(f2.rows[i], f1.rows[i], label=str(key))
+    assert f2.rows[0][0] == MULTI_MAX + 5 and f2.rows[1][0] == 300  # numel of the last write
+
+
+def test_prefetch_only_where_the_ptx_has_it(monkeypatch):
+    # cp.async.bulk.prefetch needs sm_90: on an A100 or an L4 the kernels get PREF=0
+    from stabilitywatch.kernels import stats_triton
+    for cap, want in (((8, 0), 0), ((8, 9), 0), ((9, 0), 2), ((10, 0), 2)):
+        stats_triton.prefetch_tiles.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=cap: c)
+        assert stats_triton.prefetch_tiles(0, 2) == want, cap
+    stats_triton.prefetch_tiles.cache_clear()
+
+
+def test_no_address_tables_for_cuda_tensors_under_the_interpreter(monkeypatch):
+    # the multi-tensor launches pass device addresses in a table; the interpreter copies CUDA
+    # arguments to the host, so such tensors take one launch each there
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = torch.randn(10)
+    assert dispatch._addresses_ok(t)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not dispatch._addresses_ok(t)

@@ -82,6 +82,12 @@ def _optim_tensors(opt: Optional[torch.optim.Optimizer], names: dict[int, str]):
                      "param_groups": groups, "other_state": other}
 
 
+def _trained(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The floating-point parameters the optimizer updates (those that will get state)."""
+    return [p for g in opt.param_groups for p in g["params"]
+            if p.requires_grad and p.is_floating_point()]
+
+
 def _plain(v: Any) -> Any:
     """A JSON-able copy of an optimizer hyper-parameter (lr may be a tensor; betas a tuple)."""
     if isinstance(v, torch.Tensor):  # a device copy, turned into numbers when written (no sync)
@@ -106,6 +112,7 @@ class Snapshotter:
         self._streams: dict[torch.device, Any] = {}
         self._staging: dict[torch.device, torch.Tensor] = {}
         self._waits: list[tuple[torch.device, Any]] = []   # copies the optimizer step waits for
+        self._stepped = False     # an optimizer step has run: its state is what it will be
         self._hook = (optimizer.register_step_pre_hook(self._before_optimizer_step)
                       if optimizer is not None else None)
 
@@ -184,6 +191,7 @@ class Snapshotter:
         return done
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
+        self._stepped = True
         for dev, ev in self._waits:
             torch.cuda.current_stream(dev).wait_event(ev)
         self._waits.clear()
@@ -207,7 +215,7 @@ class Snapshotter:
         slot.sig, slot.model, slot.optim = (), {}, {}   # drop the old buffers first
         slot.host = slot.gather = None
         like = [t for _, t in mt + ot]
-        on_host = self._on_host(like, self._state_to_come(mt))
+        on_host = self._on_host(like, self._state_to_come())
         devs = {t.device for t in like if t.is_cuda}
         if on_host and len(devs) == 1:
             # one flat pinned buffer for the device tensors; apart: module buffers (copied on
@@ -223,16 +231,17 @@ class Snapshotter:
             slot.optim = {n: _empty(t, on_host) for n, t in ot}
         slot.sig = sig
 
-    def _state_to_come(self, mt) -> int:
+    def _state_to_come(self) -> int:
         """Bytes of optimizer state not created yet: before the first optimizer step (Adam and
-        the like create theirs there), two tensors per floating-point parameter are assumed.
-        Otherwise the first snapshot would size the ring without them and put it on the
-        device, and the next one move it to the host: a device copy of the weights held for
-        nothing through the first steps (+4 % peak memory on GPT-2 small)."""
-        if self.optimizer is None or any(self.optimizer.state.values()):
+        the like create theirs there), two tensors per device parameter the optimizer trains
+        are assumed. Otherwise the first snapshot would size the ring without them and put it
+        on the device, and the next one move it to the host: a device copy of the weights held
+        for nothing through the first steps (+4 % peak memory on GPT-2 small). After a step,
+        the state is what exists (none for a stateless optimizer)."""
+        if self.optimizer is None or self._stepped or any(self.optimizer.state.values()):
             return 0
-        return 2 * sum(t.numel() * t.element_size() for n, t in mt
-                       if n not in self._buffer_names and t.is_floating_point())
+        return 2 * sum(p.numel() * p.element_size() for p in _trained(self.optimizer)
+                       if p.is_cuda)
 
     def _on_host(self, tensors: list[torch.Tensor], extra: int = 0) -> bool:
         if self.target is SnapshotTarget.HOST:

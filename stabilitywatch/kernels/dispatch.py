@@ -94,7 +94,7 @@ def batchable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "au
     """True when t can share a multi-tensor launch (accumulate_many): a kernel dtype on a device
     the kernel runs on, scale 1, at most MULTI_MAX elements."""
     return (not isinstance(scale, torch.Tensor) and scale == 1.0 and 0 < t.numel() <= MULTI_MAX
-            and _kernel_ok(t, backend))
+            and _kernel_ok(t, backend) and _addresses_ok(t))
 
 
 def tileable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "auto") -> bool:
@@ -103,7 +103,14 @@ def tileable(t: torch.Tensor, scale: "float | torch.Tensor", backend: str = "aut
     1, read in place at a 16-byte aligned address."""
     return (not isinstance(scale, torch.Tensor) and scale == 1.0 and t.numel() > MULTI_MAX
             and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and _kernel_ok(t, backend) and viewable(t) and t.data_ptr() % 16 == 0)
+            and _kernel_ok(t, backend) and _addresses_ok(t) and viewable(t)
+            and t.data_ptr() % 16 == 0)
+
+
+def _addresses_ok(t: torch.Tensor) -> bool:
+    # the multi-tensor launches pass tables of addresses: the interpreter, which copies a CUDA
+    # tensor argument to the host, would read device addresses from the host
+    return not (t.is_cuda and _interpret())
 
 
 def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:

@@ -232,6 +232,13 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def prefetch_tiles(index: "int | None", ahead: int) -> int:
+    """`ahead` on devices whose PTX has the L2 bulk prefetch (ptx._l2_prefetch: sm_90 and
+    later), else 0: the kernels must still compile on an A100 or an L4."""
+    return ahead if torch.cuda.get_device_capability(index) >= (9, 0) else 0
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(index: "int | None") -> int:
     # get_device_properties costs ~30 us per call, paid per launch before this cache
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -305,7 +312,9 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
                         bytes_=bytes_,
                         maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None),
                         fparts=tune.get("fparts", 3),
-                        pref=tune.get("pref", 4 if bytes_ else 2) if cuda else 0)
+                        pref=tune.get("pref", prefetch_tiles(flat.device.index,
+                                                             4 if bytes_ else 2))
+                        if cuda else 0)
             if n_full == n:
                 return
             x, n = x[n_full:], n - n_full

@@ -183,6 +183,12 @@ class StatsBuffer:
                 t, _, _, scale = items[k]
                 accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
             return
+        if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
+            # a row written twice: the last write wins, as with add() one after the other (a
+            # kept plan never has a row twice)
+            for t, module, role, scale in items:
+                self.add(t, module, role, phase, scale, overwrite)
+            return
         groups: dict = {}
         slots, singles = [], []
         for k, (t, module, role, scale) in enumerate(items):
