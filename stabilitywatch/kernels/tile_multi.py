@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..stats.layout import N_STATS
 from .launch import FastLaunch
+from .stats_multi import _ELT as _MULTI_ELT
 from .stats_tile import _careful_tiles, tile_shape
 from .stats_triton import (_emit_scalars, _interpreting, _sm_count, prefetch_tiles,
                            tile_programs)
@@ -24,9 +25,8 @@ from .tile_fast import _fast_tiles
 from .tile_ops import HBINS, O_HIST
 
 ROW = tl.constexpr(N_STATS)
-# how a program reads its tensor: 0 float32, 1 float16, 3 bf16 bits (as in stats_tile: FP8 code)
-_ELT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 3}
-DTYPES = tuple(_ELT)
+# how a program reads its tensor: stats_multi's codes (0 float32, 1 float16, 3 bf16 bits)
+_ELT = {d: _MULTI_ELT[d] for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 @triton.jit
