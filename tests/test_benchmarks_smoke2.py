@@ -36,3 +36,9 @@ def test_bench_frame_smoke(capsys):
     import bench_frame
     assert bench_frame.main(["--smoke"]) == 0
     assert "| rows per frame |" in capsys.readouterr().out
+
+
+def test_diagnose_unsampled_smoke(capsys):
+    import diagnose_unsampled
+    assert diagnose_unsampled.main(["--smoke", "--steps", "2"]) == 0
+    assert "| us/step (default - none) |" in capsys.readouterr().out

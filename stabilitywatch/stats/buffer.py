@@ -72,6 +72,17 @@ class _DeviceRows:
         self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
         self.init = init_row_tensor(device, capacity)
         self.pinned_pool: list[torch.Tensor] = []
+        # rows [lo, hi) may hold writes since their last reset; the rest hold the identity row
+        self.dirty = (0, 0)
+
+    def mark(self, lo: int, hi: int) -> None:
+        self.dirty = _union(self.dirty, (lo, hi))
+
+    def reset(self, lo: int, hi: int) -> None:
+        lo, hi = _union(self.dirty, (lo, hi))
+        if hi > lo:
+            self.rows[lo:hi].copy_(self.init[lo:hi])
+        self.dirty = (0, 0)
 
     def grow(self, capacity: int) -> None:
         # keep rows already written this step (device copy, no sync)
@@ -90,6 +101,15 @@ class _DeviceRows:
         pin = self.device.type == "cuda"
         shape = (self.rows.shape[0], self.rows.shape[1] + 1)
         return torch.empty(shape, dtype=ROW_DTYPE, pin_memory=pin)
+
+
+def _union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    # the smallest span holding both spans (an empty one, lo >= hi, adds nothing)
+    if a[1] <= a[0]:
+        return b
+    if b[1] <= b[0]:
+        return a
+    return min(a[0], b[0]), max(a[1], b[1])
 
 
 def _static(rows: torch.Tensor) -> torch.Tensor:
@@ -155,9 +175,16 @@ class StatsBuffer:
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._step = step
+        # Only rows written since their last reset are reset (an unsampled step writes one or
+        # two of the ~600; resetting all took a device copy per step). Writes made outside a
+        # step are still in _touched.
+        spans = self._spans(self._touched)
         self._touched = {}
         for d in self._dev.values():
-            d.rows.copy_(d.init)
+            if self._untracked:
+                d.reset(0, d.rows.shape[0])
+            else:
+                d.reset(*spans.get(d.device, (0, 0)))
 
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
@@ -244,16 +271,23 @@ class StatsBuffer:
             touched += [(self.phase_of[s], _UNSEEN, s) for s in range(len(self.keys))
                         if s not in seen and self.device_of[s] is not None]
             touched.sort()
+        spans = self._spans(self._touched)
         copies = []
         for dev in self._dev.values():
             host = dev.host_buffer()
-            both = torch.cat([dev.rows, dev.scale], 1)
+            # the touched rows' span only: an unsampled step copies the loss row, not ~600
+            lo, hi = (0, dev.rows.shape[0]) if self._untracked else spans.get(dev.device, (0, 0))
+            dev.mark(lo, hi)
+            if hi <= lo:
+                copies.append((dev, host, None))
+                continue
+            both = torch.cat([dev.rows[lo:hi], dev.scale[lo:hi]], 1)
             if dev.device.type == "cuda":
-                host.copy_(both, non_blocking=True)
+                host[lo:hi].copy_(both, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(dev.device))
             else:
-                host.copy_(both)
+                host[lo:hi].copy_(both)
                 ev = None
             copies.append((dev, host, ev))
         self._pending.append(_Pending(self._step, touched, copies))
@@ -300,6 +334,15 @@ class StatsBuffer:
         return StatsFrame(step=p.step, keys=[self.keys[s] for _, s in keep], rows=table,
                           scales=scales, phases=[ph for ph, _ in keep], rank=rank,
                           world_size=world_size)
+
+    def _spans(self, touched) -> dict:
+        # device -> (lo, hi): the span of the given slots' rows on each device
+        spans: dict = {}
+        for slot in touched:
+            d = self.device_of[slot]
+            lo, hi = spans.get(d, (slot, slot + 1))
+            spans[d] = (min(lo, slot), max(hi, slot + 1))
+        return spans
 
     def traced_target(self, module: str, role: str, device: torch.device):
         """(rows, slot, scale) for a record made from compiled code, or None when the slot or
