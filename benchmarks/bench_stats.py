@@ -104,6 +104,27 @@ VARIANTS = {
     "fast, 16 tiles per program": {"tiles_per_prog": 16},
     "fast, 32 tiles per program": {"tiles_per_prog": 32},
     "fast, 16 tiles per program, 4 programs per SM": {"tiles_per_prog": 16, "progs_per_sm": 4},
+    "timing only (row wrong): no atomics into the row": {"fparts": 7},
+    "fast, 2 programs per SM": {"progs_per_sm": 2},
+    "fast, 3 programs per SM": {"progs_per_sm": 3},
+    "fp8 through the value pass": {"bytes": False, "dtypes": ("e4m3",)},
+    "fp8 through the byte-count pass": {"bytes": True, "dtypes": ("e4m3",)},
+    "fp8 bytes, timing only (row wrong): no histogram atomics": {"bytes": True, "fparts": 1,
+                                                                  "dtypes": ("e4m3",)},
+    "fp8 bytes, timing only (row wrong): no scalar fields": {"bytes": True, "fparts": 2,
+                                                              "dtypes": ("e4m3",)},
+    "fp8 bytes, timing only (row wrong): no epilogue": {"bytes": True, "fparts": 0,
+                                                         "dtypes": ("e4m3",)},
+    "fp8 bytes, 1 program per SM": {"bytes": True, "progs_per_sm": 1, "dtypes": ("e4m3",)},
+    "fp8 bytes, 2 programs per SM": {"bytes": True, "progs_per_sm": 2, "dtypes": ("e4m3",)},
+    "fp8 bytes, 1 program per SM, 8 warps": {"bytes": True, "progs_per_sm": 1, "num_warps": 8,
+                                             "dtypes": ("e4m3",)},
+    "fp8 bytes, 2 programs per SM, 8 warps": {"bytes": True, "progs_per_sm": 2, "num_warps": 8,
+                                              "dtypes": ("e4m3",)},
+    "fp8 bytes, 1 program per SM, 8 warps, prefetch 8": {
+        "bytes": True, "progs_per_sm": 1, "num_warps": 8, "pref": 8, "dtypes": ("e4m3",)},
+    "fp8 bytes, 2 programs per SM, 2 loads per thread": {
+        "bytes": True, "progs_per_sm": 2, "u": 2, "dtypes": ("e4m3",)},
 }
 
 

@@ -327,11 +327,11 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
 
 
 _fast_general = FastLaunch(_row_stats_kernel)
-# fp8's byte-count pass (tile_fp8.py) ends each program with a long epilogue (256 counts into a
-# row): on the H200 it took 234 us at 2^28 elements where the fast pass took 724, but 137 us at
-# 2^25 where the fast pass took 102 (benchmarks/RESULTS.md); a linear fit puts the crossover
-# near 2^26. Scaled fp8 always takes it (the fast pass is for scale 1 only).
-FP8_BYTES_MIN = 1 << 26
+# fp8's byte-count pass (tile_fp8.py) from 1 MiB of full tiles: since its epilogue sums the row's
+# histogram before the atomics (session 6) it takes 10.0 us at 1 MiB against the value pass's
+# 10.2, 17.2 against 22.7 at 8 MiB, 24.7 against 58.0 at 32 MiB (benchmarks/RESULTS.md). Scaled
+# fp8 always takes it (the fast pass is for scale 1 only).
+FP8_BYTES_MIN = 1 << 20
 _NO_TUNE: dict = {}
 
 
