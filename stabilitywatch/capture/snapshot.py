@@ -170,9 +170,11 @@ class Snapshotter:
         keep = [i for i, (n, _) in enumerate(mt) if n in self._buffer_names]
         _copy([dst[i] for i in keep], [src[i] for i in keep])
         host = slot.host
-        if slot.gather is None or slot.gather.key != tuple(t.data_ptr() for t in src):
-            for s in self.slots:  # plans hold views of the old tensors: let them go
+        key = tuple(t.data_ptr() for t in src)
+        for s in self.slots:  # plans of moved tensors hold views of the old ones: let them go
+            if s.gather is not None and s.gather.key != key:
                 s.gather = None
+        if slot.gather is None:  # once per slot while the tensors stay where they are
             slot.gather = Gather(src, host, CHUNK // 4)
         staging = self._staging.get(dev)
         if staging is None or staging.numel() < min(CHUNK // 4, host.words):
