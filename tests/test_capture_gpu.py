@@ -36,14 +36,13 @@ def test_host_ring_on_a_side_stream_captures_start_of_step_state(tmp_path):
         assert rep["first_divergent_module"] == FAULT_MODULE, c
 
 
-def test_host_ring_with_cpu_optimizer_state(tmp_path):
-    # non-fused AdamW keeps `step` on the CPU: the device tensors still go through the flat
-    # pinned buffer on the side stream (not back onto the current stream), the CPU ones apart
+def _host_ring_run(run_dir, **adamw):
+    # four monitored steps of a small MLP, the snapshot ring in pinned host memory
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 8)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw)
     mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot_to="host"),
-                   run_dir=tmp_path)
+                   run_dir=run_dir)
     for step in range(4):
         with mon.step(step, batch=torch.randn(16, 64, device="cuda")):
             loss = model(torch.randn(16, 64, device="cuda")).square().mean()
@@ -52,6 +51,13 @@ def test_host_ring_with_cpu_optimizer_state(tmp_path):
             opt.step()
             opt.zero_grad()
     torch.cuda.synchronize()
+    return mon
+
+
+def test_host_ring_with_cpu_optimizer_state(tmp_path):
+    # non-fused AdamW keeps `step` on the CPU: the device tensors still go through the flat
+    # pinned buffer on the side stream (not back onto the current stream), the CPU ones apart
+    mon = _host_ring_run(tmp_path, foreach=False)
     slot = max((s for s in mon.capture.snap.slots if s.step is not None), key=lambda s: s.step,
                default=None) or mon.capture.snap.slots[0]
     assert slot.host is not None and slot.ready is not None   # the side-stream path
@@ -92,19 +98,7 @@ def test_host_ring_copy_plans_are_kept(tmp_path, monkeypatch):
             super().__init__(*a, **k)
 
     monkeypatch.setattr(snapshot, "Gather", Counted)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                torch.nn.Linear(256, 8)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot_to="host"),
-                   run_dir=tmp_path)
-    for step in range(4):  # the optimizer's state exists from here on
-        with mon.step(step, batch=None):
-            loss = model(torch.randn(16, 64, device="cuda")).square().mean()
-            loss.backward()
-            mon.observe_loss(loss)
-            opt.step()
-            opt.zero_grad()
-    torch.cuda.synchronize()
+    mon = _host_ring_run(tmp_path, fused=True)  # the optimizer's state exists from here on
     ring = mon.capture.snap
     ring.release_through(10**9)
     before, slots = len(built), set()
