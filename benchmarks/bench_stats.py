@@ -109,7 +109,7 @@ VARIANTS = {
     "fast, 3 programs per SM": {"progs_per_sm": 3},
     "fp8 through the value pass": {"bytes": False, "dtypes": ("e4m3",)},
     "fp8 through the byte-count pass": {"bytes": True, "dtypes": ("e4m3",)},
-    "fp8 bytes, timing only (row wrong): no histogram atomics": {"bytes": True, "fparts": 1,
+    "fp8 bytes, timing only (row wrong): no row histogram": {"bytes": True, "fparts": 1,
                                                                   "dtypes": ("e4m3",)},
     "fp8 bytes, timing only (row wrong): no scalar fields": {"bytes": True, "fparts": 2,
                                                               "dtypes": ("e4m3",)},

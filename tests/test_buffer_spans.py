@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rowcheck import assert_rows_match  # noqa: E402
 
+from stabilitywatch.kernels.dispatch import accumulate  # noqa: E402
 from stabilitywatch.stats.buffer import StatsBuffer  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
@@ -89,3 +90,48 @@ def test_micro_batches_still_merge_within_a_step():
     buf.add(y, "a", "output", 0)
     buf.end_step()
     _check(_frame(buf), {("a", "output"): y})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kept_launches_and_overwrites_across_steps(backend):
+    # add_many's kept plan (the same tensors on the next call) writes rows without _prepare,
+    # through its kept launches (triton: the interpreter here); overwrite writes twice in a
+    # step; a step writing a subset follows one writing all
+    buf = StatsBuffer(backend=backend, capacity=2)
+    ts = [_t(k) for k in range(4)]
+    items = [(t, f"m{k}", "grad", 1.0) for k, t in enumerate(ts)]
+    keys = [(f"m{k}", "grad") for k in range(4)]
+    for step in range(3):
+        buf.begin_step(step)
+        buf.add_many(items, 0, overwrite=True)
+        buf.add(_t(9), "m0", "grad", 0, overwrite=True)  # the last write wins
+        buf.end_step()
+        want = dict(zip(keys, ts))
+        want[keys[0]] = _t(9)
+        _check(_frame(buf), want)
+    buf.begin_step(3)
+    buf.add(ts[2], "m2", "grad", 0)
+    buf.add_many([], 1)  # an empty tap (the optimizer's state before its first step)
+    buf.add_many([], 1)
+    buf.end_step()
+    _check(_frame(buf), {keys[2]: ts[2]})
+
+
+def test_rows_written_unseen_by_compiled_code_are_reset():
+    # compiled code writes rows through the custom op, without the host's bookkeeping: once it
+    # has, every row is reset and read at each step
+    buf = StatsBuffer(backend="torch")
+    buf.begin_step(0)
+    x = _t(0)
+    buf.add(x, "a", "output", 0)
+    buf.add(_t(1), "b", "output", 0)
+    buf.end_step()
+    _check(_frame(buf), {("a", "output"): x, ("b", "output"): _t(1)})
+    buf._untracked = True  # what monitor.py sets while dynamo traces a hook
+    for step, seed in ((1, 2), (2, 3)):
+        buf.begin_step(step)
+        rows, slot, scale = buf.traced_target("b", "output", torch.device("cpu"))
+        y = _t(seed)
+        accumulate(y, rows[slot], scale, "torch")
+        buf.end_step()
+        _check(_frame(buf), {("b", "output"): y})  # b alone, and no trace of the last step

@@ -222,8 +222,8 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
     # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
     # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
-    # threshold counts, 2 = histogram); FPARTS 4: none of the row's atomics (the row stays as
-    # it was).
+    # threshold counts, 2 = histogram); FPARTS 4: none of the row's atomics but the careful
+    # pass's warp-vote bins (the row stays as it was after a fast pass).
     # FAST: 1 = the fast passes with tl.histogram, 2 = with the lane histogram in shared memory
     # (GPU). BYTES (fp8): the byte-count pass (tile_fp8.py); else, unscaled: the fast pass
     # (tile_fast.py), and a program whose data needs it runs the careful pass instead.

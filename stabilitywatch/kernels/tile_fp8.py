@@ -42,6 +42,27 @@ def _count(h, sel):
 
 
 @triton.jit
+def _row_hist(h, FP8: tl.constexpr, FPARTS: tl.constexpr):
+    # The row's histogram from the 256 byte counts, summed here: one atomic per bin and program.
+    # (Each byte's count as its own atomic put ~16 same-address float64 atomics per bin and
+    # program on the row, which serialize across programs: ~50 us per launch on the H200, most
+    # of a mid-size tensor's time.) Byte j and byte j + 128 hold the same |value|; its row bin
+    # is its exponent field - 31 (nonzero finite values only), within the KN bins from K_LO for
+    # both formats. FPARTS bit 1 (benchmarks): without it, none.
+    bins = tl.arange(0, HBINS)
+    if (FPARTS & 2) == 0:
+        return tl.zeros([HBINS], dtype=tl.int32)
+    hm = tl.sum(tl.reshape(h, [2, 128]), 0)
+    xm = _decode_fp8(tl.arange(0, 128), FP8 == 2)
+    um = xm.to(tl.int32, bitcast=True) & _MAXI
+    km = tl.where((um < _INF) & (um != 0), (um >> 23) - 31 - K_LO, -1)
+    w = tl.arange(0, KN)
+    hw = tl.sum(tl.where(w[:, None] == km[None, :], hm[None, :], 0), 1)
+    inside = (bins >= K_LO) & (bins < K_LO + KN)
+    return tl.where(inside, tl.gather(hw, tl.where(inside, bins - K_LO, 0), 0), 0)
+
+
+@triton.jit
 def _count_bytes(cur, h, table, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                  LANE: tl.constexpr):
     if LANE:
@@ -81,10 +102,9 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
         h = _lane_hist_read(b)
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
-    bins = tl.arange(0, HBINS)
     if (FPARTS & 1) == 0:
         v = _put(v, idx, 1, _count(h, b == 1))  # keeps the loop's counts alive
-        return v, tl.zeros([HBINS], dtype=tl.int32)
+        return v, _row_hist(h, FP8, FPARTS)
     x = _decode_fp8(b, FP8 == 2)  # the value of each byte
     bits = x.to(tl.int32, bitcast=True)
     u = bits & _MAXI
@@ -119,19 +139,4 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     h64 = h.to(tl.int64)
     v = _put(v, idx, O_HIST - 2, tl.sum(h64 * (fbits & 0xFFFF), 0))
     v = _put(v, idx, O_HIST - 1, tl.sum(h64 * ((fbits >> 16) & 0xFFFF), 0))
-    # The row's histogram, summed here: one atomic per bin and program. (Each byte's count as
-    # its own atomic put ~16 same-address float64 atomics per bin and program on the row, which
-    # serialize across programs: ~50 us per launch on the H200, most of a mid-size tensor's time.)
-    # Byte j and byte j + 128 hold the same |value|; its row bin is its exponent field - 31
-    # (nonzero finite values only), within the KN bins from K_LO for both formats.
-    hm = tl.sum(tl.reshape(h, [2, 128]), 0)
-    xm = _decode_fp8(tl.arange(0, 128), FP8 == 2)
-    um = xm.to(tl.int32, bitcast=True) & _MAXI
-    km = tl.where((um < _INF) & (um != 0), (um >> 23) - 31 - K_LO, -1)
-    w = tl.arange(0, KN)
-    hw = tl.sum(tl.where(w[:, None] == km[None, :], hm[None, :], 0), 1)
-    inside = (bins >= K_LO) & (bins < K_LO + KN)
-    hist = tl.where(inside, tl.gather(hw, tl.where(inside, bins - K_LO, 0), 0), 0)
-    if (FPARTS & 2) == 0:
-        hist = tl.zeros([HBINS], dtype=tl.int32)
-    return v, hist
+    return v, _row_hist(h, FP8, FPARTS)  # last: fewer registers live (80 against 95)

@@ -78,8 +78,8 @@ class _DeviceRows:
     def mark(self, lo: int, hi: int) -> None:
         self.dirty = _union(self.dirty, (lo, hi))
 
-    def reset(self, lo: int, hi: int) -> None:
-        lo, hi = _union(self.dirty, (lo, hi))
+    def reset(self, every_row: bool = False) -> None:
+        lo, hi = (0, self.rows.shape[0]) if every_row else self.dirty
         if hi > lo:
             self.rows[lo:hi].copy_(self.init[lo:hi])
         self.dirty = (0, 0)
@@ -133,6 +133,7 @@ class _ManyPlan:
     slots: list[int]
     launches: list                    # (device, stats_multi.ManyLaunch)
     singles: list[tuple[int, int]]    # (item index, slot): their own launch each
+    span: tuple[int, int]             # the rows the launches write lie in [lo, hi)
 
 
 def _many_sig(items: list) -> Optional[tuple]:
@@ -175,16 +176,12 @@ class StatsBuffer:
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._step = step
-        # Only rows written since their last reset are reset (an unsampled step writes one or
-        # two of the ~600; resetting all took a device copy per step). Writes made outside a
-        # step are still in _touched.
-        spans = self._spans(self._touched)
         self._touched = {}
+        # Only the rows written since their last reset (every write marks its device's rows, in
+        # or outside a step): an unsampled step writes one or two of the ~600, and resetting
+        # all took a device copy per step. Compiled code writes rows unseen: all of them.
         for d in self._dev.values():
-            if self._untracked:
-                d.reset(0, d.rows.shape[0])
-            else:
-                d.reset(*spans.get(d.device, (0, 0)))
+            d.reset(every_row=self._untracked)
 
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
@@ -205,9 +202,11 @@ class StatsBuffer:
             for k, slot in enumerate(plan.slots):
                 self._touched[slot] = (phase, n + k)
             for device, launch in plan.launches:
+                self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
             for k, slot in plan.singles:
                 t, _, _, scale = items[k]
+                self._dev[t.device].mark(slot, slot + 1)
                 accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
             return
         if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
@@ -237,7 +236,8 @@ class StatsBuffer:
             launches += [(device, lk) for lk in accumulate_many(ts, self._dev[device].rows, ss)
                          if lk is not None]
         if sig is not None and len(set(slots)) == len(slots):
-            self._plans[(phase, overwrite)] = _ManyPlan(sig, slots, launches, singles)
+            span = (min(slots), max(slots) + 1) if slots else (0, 0)
+            self._plans[(phase, overwrite)] = _ManyPlan(sig, slots, launches, singles, span)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
@@ -249,6 +249,7 @@ class StatsBuffer:
         if isinstance(scale, torch.Tensor):  # the value is known on the device only
             self.tensor_scaled.add(slot)
         dev = self._rows_on(t.device)
+        dev.mark(slot, slot + 1)
         if self.device_of[slot] is None:
             self.device_of[slot] = t.device
         row = dev.views[slot]
@@ -277,7 +278,6 @@ class StatsBuffer:
             host = dev.host_buffer()
             # the touched rows' span only: an unsampled step copies the loss row, not ~600
             lo, hi = (0, dev.rows.shape[0]) if self._untracked else spans.get(dev.device, (0, 0))
-            dev.mark(lo, hi)
             if hi <= lo:
                 copies.append((dev, host, None))
                 continue
