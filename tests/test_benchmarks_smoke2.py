@@ -42,3 +42,10 @@ def test_diagnose_unsampled_smoke(capsys):
     import diagnose_unsampled
     assert diagnose_unsampled.main(["--smoke", "--steps", "2"]) == 0
     assert "| us/step (default - none) |" in capsys.readouterr().out
+
+
+def test_diagnose_host_smoke(capsys):
+    import diagnose_host
+    assert diagnose_host.main(["--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| no monitor |" in out and "| full config |" in out

@@ -1,0 +1,87 @@
+"""The monitor's host work per step, apart from its kernels (CPU):
+
+    python benchmarks/diagnose_host.py [--steps 40] [--config full|default]
+
+The GPT-2-small-shaped model of bench_overhead at 12 layers, shrunk to a width the CPU runs in
+a few ms (d 32, sequence 8), without and with the monitor, statistics launches replaced by
+no-ops: what is left is the hooks, the bookkeeping and the frame's detectors and records, the
+work that makes full coverage host-bound on machines whose host is slower than their GPU
+(benchmarks/RESULTS.md, session 6). Printed: ms per step in the forward, the backward, the
+optimizer step (with the taps around it) and the step's end (frames, detectors, records).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import stabilitywatch as sw
+from stabilitywatch.stats import buffer as _buffer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import build, full_coverage, loss_fn  # noqa: E402
+
+PARTS = ("forward", "backward", "optimizer", "step end")
+
+
+def _steps(model, opt, batch, mon, first: int, n: int) -> list[float]:
+    # ms per step in each of PARTS
+    acc = [0.0] * len(PARTS)
+    for i in range(first, first + n):
+        ctx = mon.step(i, batch=batch) if mon else None
+        t = [time.perf_counter()]
+        if ctx:
+            ctx.__enter__()
+        loss = loss_fn(model, batch)
+        t.append(time.perf_counter())
+        loss.backward()
+        t.append(time.perf_counter())
+        if mon:
+            mon.observe_loss(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t.append(time.perf_counter())
+        if ctx:
+            ctx.__exit__(None, None, None)
+        t.append(time.perf_counter())
+        for k in range(len(PARTS)):
+            acc[k] += t[k + 1] - t[k]
+    return [a / n * 1e3 for a in acc]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--config", choices=("full", "default"), default="full")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = dict(vocab=256, dim=32, layers=12, heads=4, seq=8, batch=1)
+    saved = _buffer.accumulate, _buffer.accumulate_many
+    _buffer.accumulate = lambda *args, **kw: None  # the kernels are not what is timed here
+    _buffer.accumulate_many = lambda *args, **kw: []
+    try:
+        model, opt, batch = build(shapes, "cpu")
+        _steps(model, opt, batch, None, 0, 5)
+        rows = {"no monitor": _steps(model, opt, batch, None, 5, a.steps)}
+        cfg = (full_coverage(snapshots=False) if a.config == "full"
+               else sw.Config(sinks=("jsonl",), capture_snapshot="off"))
+        with tempfile.TemporaryDirectory() as tmp:
+            mon = sw.watch(model, opt, config=cfg, run_dir=tmp)
+            _steps(model, opt, batch, mon, 0, 12)
+            rows[f"{a.config} config"] = _steps(model, opt, batch, mon, 12, a.steps)
+            mon.close()
+    finally:
+        _buffer.accumulate, _buffer.accumulate_many = saved
+    print("| configuration | " + " | ".join(PARTS) + " | total |")
+    print("|---|" + "---:|" * (len(PARTS) + 1))
+    for name, ms in rows.items():
+        print(f"| {name} | " + " | ".join(f"{m:.2f}" for m in ms) + f" | {sum(ms):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
