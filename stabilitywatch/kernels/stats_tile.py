@@ -257,8 +257,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     if (FPARTS & 4) == 0:  # bit 2 (timing only): no atomics into the row
         _emit_scalars(out_ptr, idx, v)
         bins = tl.arange(0, HBINS)
-        # empty bins are skipped: most of a row's atomics otherwise, and they serialize on the
-        # row
+        # empty bins are skipped: most of a row's atomics otherwise, serialized on the row
         tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,
                       sem="relaxed")
     else:  # a store that never happens keeps the compiler from dropping the work

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from ..formats import FORMATS, Fmt
-
 from .ptx import _l2_prefetch, _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
 from .stats_triton import _decode_fp8, _put
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
