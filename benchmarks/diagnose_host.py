@@ -1,6 +1,7 @@
 """The monitor's host work per step, apart from its kernels (CPU):
 
     python benchmarks/diagnose_host.py [--steps 40] [--config full|default]
+    python benchmarks/diagnose_host.py --device cuda [--profile 25]   # real launches (GPU)
 
 The GPT-2-small-shaped model of bench_overhead at 12 layers, shrunk to a width the CPU runs in
 a few ms (d 32, sequence 8), without and with the monitor, statistics launches replaced by
@@ -8,11 +9,18 @@ no-ops: what is left is the hooks, the bookkeeping and the frame's detectors and
 work that makes full coverage host-bound on machines whose host is slower than their GPU
 (benchmarks/RESULTS.md, session 6). Printed: ms per step in the forward, the backward, the
 optimizer step (with the taps around it) and the step's end (frames, detectors, records).
+
+--device cuda keeps the kernels: the same tiny model on the GPU, whose kernels finish long
+before the host has launched them, so each part's time is the host's, launches included.
+--profile N also prints the N functions with the most own time in more monitored steps,
+profiled apart from the timed ones.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -57,14 +65,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--config", choices=("full", "default"), default="full")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--profile", type=int, default=0)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     shapes = dict(vocab=256, dim=32, layers=12, heads=4, seq=8, batch=1)
     saved = _buffer.accumulate, _buffer.accumulate_many
-    _buffer.accumulate = lambda *args, **kw: None  # the kernels are not what is timed here
-    _buffer.accumulate_many = lambda *args, **kw: []
+    if a.device == "cpu":  # the kernels are not what is timed here
+        _buffer.accumulate = lambda *args, **kw: None
+        _buffer.accumulate_many = lambda *args, **kw: []
     try:
-        model, opt, batch = build(shapes, "cpu")
+        model, opt, batch = build(shapes, a.device)
         _steps(model, opt, batch, None, 0, 5)
         rows = {"no monitor": _steps(model, opt, batch, None, 5, a.steps)}
         cfg = (full_coverage(snapshots=False) if a.config == "full"
@@ -73,9 +84,17 @@ def main(argv=None) -> int:
             mon = sw.watch(model, opt, config=cfg, run_dir=tmp)
             _steps(model, opt, batch, mon, 0, 12)
             rows[f"{a.config} config"] = _steps(model, opt, batch, mon, 12, a.steps)
+            prof = cProfile.Profile() if a.profile else None
+            if prof:  # more steps, apart from the timed ones (the profiler's cost is its own)
+                prof.enable()
+                _steps(model, opt, batch, mon, 12 + a.steps, a.steps)
+                prof.disable()
             mon.close()
     finally:
         _buffer.accumulate, _buffer.accumulate_many = saved
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+    print(f"host ms per step on {a.device}")
     print("| configuration | " + " | ".join(PARTS) + " | total |")
     print("|---|" + "---:|" * (len(PARTS) + 1))
     for name, ms in rows.items():

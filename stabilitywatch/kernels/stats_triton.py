@@ -74,6 +74,21 @@ def _put(v, idx, i: tl.constexpr, x):
     return tl.where(idx == i, x.to(tl.float64), v)
 
 
+# compiled: the fields of _general_row in one block-wide reduction (tl.reduce over a tuple)
+_ONE_REDUCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+@triton.jit
+def _fold_general(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17,
+                  a18, a19, a20, a21, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
+                  b14, b15, b16, b17, b18, b19, b20, b21):
+    # _general_row's fields: 18 sums, then min, max, max, min
+    return (a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8,
+            a9 + b9, a10 + b10, a11 + b11, a12 + b12, a13 + b13, a14 + b14, a15 + b15, a16 + b16,
+            a17 + b17, tl.minimum(a18, b18), tl.maximum(a19, b19), tl.maximum(a20, b20),
+            tl.minimum(a21, b21))
+
+
 @triton.jit
 def _emit_scalars(out_ptr, idx, v):
     # The row's scalar fields (v[i] for field i < O_HIST) in three vector atomics, relaxed and
@@ -183,34 +198,37 @@ def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK:
         # lanes that are not nonzero-finite go to bin 0 and are taken back out below
         hist += tl.histogram(tl.where(nz, b, 0), HBINS)
 
+    # one block-wide reduction for all 22 fields (each reduction is a barrier and a
+    # shared-memory round trip, in a chain the program ends on)
+    if _ONE_REDUCE:
+        r = tl.reduce((c_nan, c_pinf, c_ninf, c_zero, e4o, e4u, e4s, e5o, e5u, e5s, f16o, f16u,
+                       f16s, c_nz, blo.to(tl.int64), bhi.to(tl.int64), s1, s2, mn, mx, amx, amn),
+                      0, _fold_general)
+    else:  # the interpreter runs a combine function element by element, in Python
+        r = (tl.sum(c_nan, 0), tl.sum(c_pinf, 0), tl.sum(c_ninf, 0), tl.sum(c_zero, 0),
+             tl.sum(e4o, 0), tl.sum(e4u, 0), tl.sum(e4s, 0), tl.sum(e5o, 0), tl.sum(e5u, 0),
+             tl.sum(e5s, 0), tl.sum(f16o, 0), tl.sum(f16u, 0), tl.sum(f16s, 0), tl.sum(c_nz, 0),
+             tl.sum(blo.to(tl.int64), 0), tl.sum(bhi.to(tl.int64), 0), tl.sum(s1, 0),
+             tl.sum(s2, 0), tl.min(mn, 0), tl.max(mx, 0), tl.max(amx, 0), tl.min(amn, 0))
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
     v = _put(v, idx, 0, tl.where(pid == 0, n, 0))
-    v = _put(v, idx, 1, tl.sum(c_nan, 0))
-    v = _put(v, idx, 2, tl.sum(c_pinf, 0))
-    v = _put(v, idx, 3, tl.sum(c_ninf, 0))
-    v = _put(v, idx, 4, tl.sum(c_zero, 0))
-    v = _put(v, idx, 5, tl.min(mn, 0))
-    v = _put(v, idx, 6, tl.max(mx, 0))
-    v = _put(v, idx, 7, tl.max(amx, 0))
-    v = _put(v, idx, 8, tl.min(amn, 0))
-    v = _put(v, idx, 9, tl.sum(s1, 0))
-    v = _put(v, idx, 10, tl.sum(s2, 0))
-    v = _put(v, idx, O_E4 + 0, tl.sum(e4o, 0))
-    v = _put(v, idx, O_E4 + 1, tl.sum(e4u, 0))
-    v = _put(v, idx, O_E4 + 2, tl.sum(e4s, 0))
-    v = _put(v, idx, O_E5 + 0, tl.sum(e5o, 0))
-    v = _put(v, idx, O_E5 + 1, tl.sum(e5u, 0))
-    v = _put(v, idx, O_E5 + 2, tl.sum(e5s, 0))
-    v = _put(v, idx, O_F16 + 0, tl.sum(f16o, 0))
-    v = _put(v, idx, O_F16 + 1, tl.sum(f16u, 0))
-    v = _put(v, idx, O_F16 + 2, tl.sum(f16s, 0))
-    v = _put(v, idx, O_HIST - 2, tl.sum(blo.to(tl.int64), 0))
-    v = _put(v, idx, O_HIST - 1, tl.sum(bhi.to(tl.int64), 0))
+    for i in tl.static_range(4):  # NaN, +Inf, -Inf, zeros: fields 1..4
+        v = _put(v, idx, 1 + i, r[i])
+    for i in tl.static_range(9):  # the format counts
+        v = _put(v, idx, O_E4 + i, r[4 + i])
+    v = _put(v, idx, 5, r[18])
+    v = _put(v, idx, 6, r[19])
+    v = _put(v, idx, 7, r[20])
+    v = _put(v, idx, 8, r[21])
+    v = _put(v, idx, 9, r[16])
+    v = _put(v, idx, 10, r[17])
+    v = _put(v, idx, O_HIST - 2, r[14])
+    v = _put(v, idx, O_HIST - 1, r[15])
     _emit_scalars(out_ptr, idx, v)
     bins = tl.arange(0, HBINS)
     n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
-    excess = tl.maximum(n_iter, 0) * BLOCK - tl.sum(c_nz, 0)
+    excess = tl.maximum(n_iter, 0) * BLOCK - r[13]
     hist = hist - tl.where(bins == 0, excess, 0)
     # empty bins are skipped: most of a small tensor's atomics otherwise
     tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0, sem="relaxed")
@@ -256,8 +274,8 @@ def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
 
 def tile_programs(tiles: int, tile: int, sms: int, per_sm: int = 4, per_prog: int = 8) -> int:
     """Programs for `tiles` tiles of `tile` elements. The fast passes end each program with a
-    fixed epilogue (histogram readout, ~20 block reductions, the row's atomics): several tiles
-    per program, at least one program per SM. Their histogram packs 16-bit counts in words that
+    fixed epilogue (histogram readout, a few block-wide reductions, the row's atomics): several
+    tiles per program, at least one program per SM. Their histogram packs 16-bit counts in words that
     lane L of every warp shares: at most 65535 values per word and program, tile // 32 of them
     per tile (past ~2^31 elements, more programs)."""
     progs = min(sms * per_sm, max(sms, tiles // per_prog))

@@ -37,12 +37,8 @@ def _field(bits: int) -> int:
 assert _field(TM5.value) == _field(TM6.value) == 142 and _field(TM4.value) < 142
 F_MAXBIN = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
 F_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
-
-
-@triton.jit
-def _between(h, f, lo, hi):
-    # sum of h over exponent fields lo <= f < hi
-    return tl.sum(tl.where((f >= lo) & (f < hi), h, 0), 0)
+_BAD = tl.constexpr(24)  # where _hist_counts puts the count of values the fast pass cannot take
+assert O_E5.value == O_E4.value + 3 and O_F16.value == O_E5.value + 3 and O_HIST.value <= _BAD
 
 
 # Six of the seven threshold counts sit in six different exponent fields: count(|x| > K) =
@@ -77,10 +73,42 @@ def _thr_key(u, N: tl.constexpr):
 
 
 @triton.jit
-def _above(h, ab, f, fld: tl.constexpr):
-    # values of the program above the threshold of field fld: every value in a higher field,
-    # and those of field fld at or above the threshold
-    return _between(h, f, fld + 1, 256) + _between(ab, f, fld, fld + 1)
+def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    return (tl.minimum(a0, b0), tl.maximum(a1, b1), tl.minimum(a2, b2), a3 + b3, a4 + b4,
+            a5 + b5, a6 + b6, a7 + b7)
+
+
+@triton.jit
+def _span(f, lo, hi, k: tl.constexpr):
+    # bit k set for the fields lo <= f < hi
+    return ((f >= lo) & (f < hi)).to(tl.int32) << k
+
+
+@triton.jit
+def _hist_counts(h, ab, f, FP8: tl.constexpr):
+    # The row's counts (at their field index in a 32-vector; _BAD at index 24) as sums of h and
+    # ab over field ranges, all in one reduction: bit k of pos/neg (apos/aneg) says that h[f]
+    # (ab[f]) adds to / takes from count k. What each count is: see _fast_tiles' docstring.
+    pos = (_span(f, 0, 1, 4) | _span(f, F4M + 1, 256, O_E4) | _span(f, 1, 255, O_E4 + 1)
+           | _span(f, F4 + 1, 256, O_E4 + 2) | _span(f, F_MAXBIN + 1, 255, O_E5)
+           | _span(f, 1, 255, O_E5 + 1) | _span(f, F5 + 1, 256, O_E5 + 2)
+           | _span(f, F_MAXBIN + 1, 255, O_F16) | _span(f, 1, 255, O_F16 + 1)
+           | _span(f, F6 + 1, 256, O_F16 + 2) | _span(f, F_MAXBIN, F_MAXBIN + 1, _BAD)
+           | _span(f, F_BIG, 256, _BAD))
+    neg = (_span(f, F4 + 1, 256, O_E4 + 1) | _span(f, F4S + 1, 256, O_E4 + 2)
+           | _span(f, F5 + 1, 256, O_E5 + 1) | _span(f, F5S + 1, 256, O_E5 + 2)
+           | _span(f, F6 + 1, 256, O_F16 + 1))
+    if FP8 != 0:  # bf16 and fp8: fp16's subnormal limit from the fields (module docstring)
+        neg = neg | _span(f, F5S + 1, 256, O_F16 + 2)
+    apos = (_span(f, F4M, F4M + 1, O_E4) | _span(f, F4, F4 + 1, O_E4 + 2)
+            | _span(f, F5, F5 + 1, O_E5 + 2) | _span(f, F6, F6 + 1, O_F16 + 2))
+    aneg = (_span(f, F4, F4 + 1, O_E4 + 1) | _span(f, F4S, F4S + 1, O_E4 + 2)
+            | _span(f, F5, F5 + 1, O_E5 + 1) | _span(f, F5S, F5S + 1, O_E5 + 2)
+            | _span(f, F6, F6 + 1, O_F16 + 1))
+    k = tl.arange(0, 32)[:, None]
+    w = ((pos[None, :] >> k) & 1) - ((neg[None, :] >> k) & 1)
+    wa = ((apos[None, :] >> k) & 1) - ((aneg[None, :] >> k) & 1)
+    return tl.sum(w * h[None, :] + wa * ab[None, :], 1)
 
 
 @triton.jit
@@ -210,40 +238,27 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
         row = tl.reshape(tl.arange(0, 512) // 256, [2, 256])
         h = tl.sum(hh, 0)
         ab = tl.sum(tl.where(row == 1, hh, 0), 0)
-    m1 = tl.min(um1, 0)
-    clean = ((_between(h, f, F_MAXBIN, F_MAXBIN + 1) + _between(h, f, F_BIG, 256) == 0)
-             & (m1 >= 0x7FFFFF))
-    lo_mn = tl.min(mn, 0)
-    hi_mx = tl.max(mx, 0)
+    # every reduction below is block-wide (a barrier and a shared-memory round trip, in a chain
+    # the program ends on): one for the scalars, one for all the counts, one for the flag
+    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, s6t = tl.reduce(
+        (mn, mx, um1, s1, s2, blo, bhi, cs6), 0, _fold)
+    cnt = _hist_counts(h, ab, f, FP8)
     idx = tl.arange(0, 32)
-    v = tl.zeros([32], dtype=tl.float64)
+    clean = (tl.sum(tl.where(idx == _BAD, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
+    counted = (idx == 4) | ((idx >= O_E4) & (idx < O_F16 + 3))  # the fields cnt fills
+    v = tl.where(counted, cnt.to(tl.float64), 0.0)
     v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, 4, _between(h, f, 0, 1))
     v = _put(v, idx, 5, lo_mn)
     v = _put(v, idx, 6, hi_mx)
     v = _put(v, idx, 7, tl.maximum(-lo_mn, hi_mx))
     v = _put(v, idx, 8, tl.where(m1 == 0xFFFFFFFF, float("inf"),
                                  (m1 + 1).to(tl.float32, bitcast=True)))
-    v = _put(v, idx, 9, tl.sum(s1, 0))
-    v = _put(v, idx, 10, tl.sum(s2, 0))
-    over = _between(h, f, F_MAXBIN + 1, 255)
-    v = _put(v, idx, O_E4 + 0, _above(h, ab, f, F4M))
-    nz = _between(h, f, 1, 255)
-    g4, g5, g6 = _above(h, ab, f, F4), _above(h, ab, f, F5), _above(h, ab, f, F6)
-    if FP8 == 0:
-        s6 = tl.sum(cs6, 0)
-    else:
-        s6 = _between(h, f, F5S + 1, 256)
-    v = _put(v, idx, O_E4 + 1, nz - g4)
-    v = _put(v, idx, O_E4 + 2, g4 - _above(h, ab, f, F4S))
-    v = _put(v, idx, O_E5 + 0, over)
-    v = _put(v, idx, O_E5 + 1, nz - g5)
-    v = _put(v, idx, O_E5 + 2, g5 - _above(h, ab, f, F5S))
-    v = _put(v, idx, O_F16 + 0, over)
-    v = _put(v, idx, O_F16 + 1, nz - g6)
-    v = _put(v, idx, O_F16 + 2, g6 - s6)
-    v = _put(v, idx, O_HIST - 2, tl.sum(blo, 0))
-    v = _put(v, idx, O_HIST - 1, tl.sum(bhi, 0))
+    v = _put(v, idx, 9, s1t)
+    v = _put(v, idx, 10, s2t)
+    if FP8 == 0:  # fp16's subnormal limit, counted element by element
+        v = tl.where(idx == O_F16 + 2, v - s6t.to(tl.float64), v)
+    v = _put(v, idx, O_HIST - 2, blot)
+    v = _put(v, idx, O_HIST - 1, bhit)
     # row bin b holds exponent field b + 31; bin 0 also fields 1..30, bin 127 fields 159..254
     b = tl.arange(0, HBINS)
     cum = tl.cumsum(h, 0)

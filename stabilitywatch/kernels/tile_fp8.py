@@ -41,6 +41,17 @@ def _count(h, sel):
 
 
 @triton.jit
+def _bit(sel, k: tl.constexpr):
+    return sel.to(tl.int32) << k
+
+
+@triton.jit
+def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    return (tl.minimum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2), tl.minimum(a3, b3),
+            a4 + b4, a5 + b5, a6 + b6, a7 + b7)
+
+
+@triton.jit
 def _row_hist(h, FP8: tl.constexpr, FPARTS: tl.constexpr):
     # The row's histogram from the 256 byte counts, summed here: one atomic per bin and program.
     # (Each byte's count as its own atomic put ~16 same-address float64 atomics per bin and
@@ -112,30 +123,36 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     present = h > 0
     hf = h.to(tl.float64)
     x64 = tl.where(fin, x, 0.0).to(tl.float64)
-    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, 1, _count(h, u > _INF))
-    v = _put(v, idx, 2, _count(h, bits == _INF))
-    v = _put(v, idx, 3, _count(h, bits == _NEGINF))
-    v = _put(v, idx, 4, _count(h, fin & (u == 0)))
-    v = _put(v, idx, 5, tl.min(tl.where(present & fin, x, float("inf")), 0))
-    v = _put(v, idx, 6, tl.max(tl.where(present & fin, x, float("-inf")), 0))
-    v = _put(v, idx, 7, tl.max(tl.where(present & fin, tl.abs(x), float("-inf")), 0))
-    v = _put(v, idx, 8, tl.min(tl.where(present & nz, tl.abs(x), float("inf")), 0))
-    v = _put(v, idx, 9, tl.sum(hf * x64, 0))
-    v = _put(v, idx, 10, tl.sum(hf * x64 * x64, 0))
-    # y = |x * scale| in float32, as the reference computes it
-    yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & _MAXI
-    v = _put(v, idx, O_E4 + 0, _count(h, fin & (yu > TM4)))
-    v = _put(v, idx, O_E4 + 1, _count(h, nz & (yu <= TH4)))
-    v = _put(v, idx, O_E4 + 2, _count(h, fin & (yu > TH4) & (yu <= TS4)))
-    v = _put(v, idx, O_E5 + 0, _count(h, fin & (yu > TM5)))
-    v = _put(v, idx, O_E5 + 1, _count(h, nz & (yu <= TH5)))
-    v = _put(v, idx, O_E5 + 2, _count(h, fin & (yu > TH5) & (yu <= TS5)))
-    v = _put(v, idx, O_F16 + 0, _count(h, fin & (yu > TM6)))
-    v = _put(v, idx, O_F16 + 1, _count(h, nz & (yu <= TH6)))
-    v = _put(v, idx, O_F16 + 2, _count(h, fin & (yu > TH6) & (yu <= TS6)))
     fbits = tl.where(u > _INF, 0x7FC00000, bits)  # canonical NaN, as in the reference
     h64 = h.to(tl.int64)
-    v = _put(v, idx, O_HIST - 2, tl.sum(h64 * (fbits & 0xFFFF), 0))
-    v = _put(v, idx, O_HIST - 1, tl.sum(h64 * ((fbits >> 16) & 0xFFFF), 0))
+    # one block-wide reduction for the extrema, sums and fingerprint, one for every count (each
+    # is a barrier and a shared-memory round trip, in a chain the program ends on)
+    mn, mx, amx, amn, s1, s2, blo, bhi = tl.reduce(
+        (tl.where(present & fin, x, float("inf")), tl.where(present & fin, x, float("-inf")),
+         tl.where(present & fin, tl.abs(x), float("-inf")),
+         tl.where(present & nz, tl.abs(x), float("inf")), hf * x64, hf * x64 * x64,
+         h64 * (fbits & 0xFFFF), h64 * ((fbits >> 16) & 0xFFFF)), 0, _fold)
+    # y = |x * scale| in float32, as the reference computes it
+    yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & _MAXI
+    sel = (_bit(u > _INF, 1) | _bit(bits == _INF, 2) | _bit(bits == _NEGINF, 3)
+           | _bit(fin & (u == 0), 4)
+           | _bit(fin & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
+           | _bit(fin & (yu > TH4) & (yu <= TS4), O_E4 + 2)
+           | _bit(fin & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
+           | _bit(fin & (yu > TH5) & (yu <= TS5), O_E5 + 2)
+           | _bit(fin & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
+           | _bit(fin & (yu > TH6) & (yu <= TS6), O_F16 + 2))
+    k = tl.arange(0, 32)[:, None]
+    cnt = tl.sum(((sel[None, :] >> k) & 1) * h[None, :], 1)  # int32: a program reads < 2^31
+    counted = ((idx >= 1) & (idx <= 4)) | ((idx >= O_E4) & (idx < O_F16 + 3))
+    v = tl.where(counted, cnt.to(tl.float64), 0.0)
+    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, 5, mn)
+    v = _put(v, idx, 6, mx)
+    v = _put(v, idx, 7, amx)
+    v = _put(v, idx, 8, amn)
+    v = _put(v, idx, 9, s1)
+    v = _put(v, idx, 10, s2)
+    v = _put(v, idx, O_HIST - 2, blo)
+    v = _put(v, idx, O_HIST - 1, bhi)
     return v, _row_hist(h, FP8, FPARTS)  # last: fewer registers live (80 against 95)
