@@ -12,8 +12,8 @@ optimizer step (with the taps around it) and the step's end (frames, detectors, 
 
 --device cuda keeps the kernels: the same tiny model on the GPU, whose kernels finish long
 before the host has launched them, so each part's time is the host's, launches included.
---profile N also prints the N functions with the most own time in more monitored steps,
-profiled apart from the timed ones.
+--profile N also prints the N functions with the most own time, and with the most time
+including their callees, in more monitored steps profiled apart from the timed ones.
 """
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     finally:
         _buffer.accumulate, _buffer.accumulate_many = saved
     if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof).sort_stats(key).print_stats(a.profile)
     print(f"host ms per step on {a.device}")
     print("| configuration | " + " | ".join(PARTS) + " | total |")
     print("|---|" + "---:|" * (len(PARTS) + 1))
