@@ -49,3 +49,10 @@ def test_diagnose_host_smoke(capsys):
     assert diagnose_host.main(["--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "| no monitor |" in out and "| full config |" in out
+
+
+def test_diagnose_record_smoke(capsys):
+    import diagnose_record
+    assert diagnose_record.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| Monitor._record |" in out and "| StatsBuffer.add |" in out

@@ -242,3 +242,36 @@ def test_gpu_large_tensors_in_one_tile_launch(dname):
     assert sum(isinstance(x, TileManyLaunch) for x in launches) == 1
     for t, s in zip(ts, slots):
         assert_rows_match(rows[s], reference_row(t), sum_rtol=1e-12, label=f"{dname} {t.shape}")
+
+
+def _same_row(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
+    # every field bit for bit but the float64 sums, whose atomic merge order varies: the sum of
+    # squares to 1e-12, the sum to 1e-12 of sum(|x|) <= sqrt(n * sum of squares) (gpu_values
+    # holds +-3.4e38 next to values near 1: the sum's last bits are those of 3.4e38)
+    s, q = int(Stat.SUM), int(Stat.SUMSQ)
+    keep = torch.ones_like(a, dtype=torch.bool)
+    keep[[s, q]] = False
+    bound = 1e-12 * math.sqrt(n * float(a[q]))
+    return bool(torch.equal(a[keep], b[keep]) and math.isclose(a[q], b[q], rel_tol=1e-12)
+                and abs(float(a[s]) - float(b[s])) <= bound)
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("scale", [1.0, 0.5, "tensor"])
+def test_kept_launch_plans_give_the_decided_rows(dname, scale):
+    # launch_row_stats keeps its decisions per kind of tensor (stats_triton._RowPlan); an
+    # explicit tune (here empty) takes the path that decides on every call
+    from stabilitywatch.kernels import stats_triton
+    from stabilitywatch.kernels.dispatch import flat_view
+    sc = torch.tensor(0.25, device="cuda") if scale == "tensor" else scale
+    for n in (1, 2048, 4096 + 7, 2**20 + 3, 2**21):
+        x = flat_view(gpu_values(n, DTYPES[dname], seed=n))
+        for offset in (0, 1):  # an unaligned start (bf16 words, fp8 bytes)
+            v = x[offset:]
+            kept = [init_row_tensor("cuda") for _ in range(2)]
+            for row in kept:  # the second call runs the kept plan
+                stats_triton.launch_row_stats(v, row, sc)
+            decided = init_row_tensor("cuda")
+            stats_triton.launch_row_stats(v, decided, sc, tune={})
+            for row in kept:
+                assert _same_row(row.cpu(), decided.cpu(), n), (dname, scale, n, offset)

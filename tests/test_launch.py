@@ -140,3 +140,36 @@ def test_tile_programs_keep_packed_counts_under_16_bits(tile, tiles):
     assert -(-tiles // progs) * (tile // 32) <= 65535
     if tiles >= 132 * 8:
         assert progs >= 132
+
+
+def test_bound_launches_replay_with_fixed_constexprs():
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    bound = fl.bind({"A": 1, "B": True}, 4, maxnreg=96)
+    buf, out = torch.zeros(65), torch.zeros(8, dtype=torch.float64)
+    a = buf[:64]
+    bound(3, (a, out, 64))
+    bound(5, (a, out, 99))
+    bound(6, (buf[1:], out, 64))                   # unaligned: another specialization
+    fl(7, (a, out, 64), {"A": 1, "B": True}, 4, maxnreg=96)  # shares FastLaunch's cache
+    DEVICE[0] = 1
+    bound(2, (a, out, 64))                  # another current device
+    assert len(jit.compiles) == 3
+    assert [c[:4] for c in jit.kernels[0].calls] == [(5, 1, 1, 1234), (7, 1, 1, 1234)]
+    assert jit.kernels[0].calls[0][9:] == (a, out, 99, 1, True)
+    assert jit.compiles[1][2] == {"A": 1, "B": True, "maxnreg": 96}
+    assert jit.kernels[2].calls == [] and jit.compiles[2][0] == (2, 1, 1)
+
+
+def test_a_refusing_launcher_switches_bound_launches_off(caplog):
+    jit = FakeJit()
+    fl = FastLaunch(jit)
+    bound = fl.bind({"A": 1, "B": True}, 4)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.float64)
+    bound(1, (x, out, 64))
+    jit.kernels[0].fail = True  # e.g. another Triton's launcher
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        bound(1, (x, out, 64))
+        bound(1, (x, out, 64))
+    assert not fl.on and len(jit.compiles) == 3   # each launch still happened, through Triton
+    assert sum("direct kernel launch failed" in r.message for r in caplog.records) == 1

@@ -293,22 +293,31 @@ def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: b
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
     histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
     scaled fp8; other scaled tensors take the careful pass."""
+    consts, opts = tile_consts(x.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, sum32, parts,
+                               ballot, fast, words, bytes_, maxnreg, fparts, pref)
+    if direct:  # compiled (not the interpreter): launch.FastLaunch
+        _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps, **opts)
+    else:
+        _tile_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n_full, **consts,
+                                     num_warps=num_warps, **opts)
+
+
+def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tuple,
+                sum32: bool, parts: int, ballot: bool, fast: int, words: bool, bytes_: bool,
+                maxnreg: "int | None", fparts: int, pref: int) -> tuple[dict, dict]:
+    """launch_tile's constexprs and compile options (aligned4: x starts 4-byte aligned)."""
     u, t, v = shape
     bytes_ = bool(fast and fp8 in (1, 2) and (bytes_ or scaled))
     fast = 0 if scaled and not bytes_ else fast
     # bf16 two values per 32-bit load: needs a 4-byte aligned start
-    words = bool(fast and fp8 == 3 and words and x.data_ptr() % 4 == 0)
+    words = bool(fast and fp8 == 3 and words and aligned4)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
                   PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
                   BYTES=bytes_, FPARTS=fparts, PREF=pref)
     # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
     # what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}
-    if direct:  # compiled (not the interpreter): launch.FastLaunch
-        _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps, **opts)
-    else:
-        _tile_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n_full, **consts,
-                                     num_warps=num_warps, **opts)
+    return consts, opts
 
 
 _launch = FastLaunch(_tile_stats_kernel)

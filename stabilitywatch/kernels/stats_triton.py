@@ -275,9 +275,9 @@ def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
 def tile_programs(tiles: int, tile: int, sms: int, per_sm: int = 4, per_prog: int = 8) -> int:
     """Programs for `tiles` tiles of `tile` elements. The fast passes end each program with a
     fixed epilogue (histogram readout, a few block-wide reductions, the row's atomics): several
-    tiles per program, at least one program per SM. Their histogram packs 16-bit counts in words that
-    lane L of every warp shares: at most 65535 values per word and program, tile // 32 of them
-    per tile (past ~2^31 elements, more programs)."""
+    tiles per program, at least one program per SM. Their histogram packs 16-bit counts in words
+    that lane L of every warp shares: at most 65535 values per word and program, tile // 32 of
+    them per tile (past ~2^31 elements, more programs)."""
     progs = min(sms * per_sm, max(sms, tiles // per_prog))
     per_tile = tile // 32
     return max(progs, -(-tiles * per_tile // (65535 - per_tile)))
@@ -298,11 +298,21 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
         return
     if not flat.is_contiguous():  # the kernels read n consecutive elements from data_ptr
         raise ValueError("launch_row_stats needs a contiguous tensor (use dispatch.flat_view)")
-    fp8 = _FP8_CODE.get(flat.dtype, 0)
-    x = flat.view(_BITS_VIEW[fp8]) if fp8 else flat
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)
+    if tune is None and flat.is_cuda and not _INTERPRET:  # a kept plan: no decisions per call
+        key = (flat.dtype, n, flat.device.index, has_ptr, scale_val != 1.0,
+               flat.data_ptr() % 4 == 0)
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= 4096:  # sizes that keep changing: start over
+                _PLANS.clear()
+            plan = _PLANS[key] = _RowPlan(flat, n, has_ptr, has_ptr or scale_val != 1.0)
+        plan.run(flat, out_row, scale_ptr, scale_val)
+        return
+    fp8 = _FP8_CODE.get(flat.dtype, 0)
+    x = flat.view(_BITS_VIEW[fp8]) if fp8 else flat
     tune = tune or _NO_TUNE
     cuda = flat.device.type == "cuda" and not _interpreting()
     if tune.get("kernel") != "general":
@@ -345,6 +355,46 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
 
 
 _fast_general = FastLaunch(_row_stats_kernel)
+
+
+class _RowPlan:
+    """launch_row_stats' decisions for one kind of tensor on a GPU (dtype, size, device, kind of
+    scale, 4-byte alignment) with the default tuning, made once: the launches that follow go
+    through launch.Bound (benchmarks/diagnose_record.py: ~11 us of host time per record less)."""
+
+    def __init__(self, flat: torch.Tensor, n: int, has_ptr: bool, scaled: bool):
+        from .stats_tile import _launch as tile_launch
+        from .stats_tile import tile_consts, tile_shape
+        fp8 = self.fp8 = _FP8_CODE.get(flat.dtype, 0)
+        index = flat.device.index
+        shape = tile_shape(flat.element_size(), False, 4)
+        tile = shape[0] * shape[1] * shape[2]
+        self.n_full = n - n % tile if n >= tile else 0
+        self.tile = None
+        if self.n_full:
+            tiles = self.n_full // tile
+            bytes_ = fp8 in (1, 2) and (self.n_full >= FP8_BYTES_MIN or scaled)
+            self.tile_progs = min(tiles, tile_programs(tiles, tile, _sm_count(index)))
+            consts, opts = tile_consts(
+                flat.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, False, 3, True, 2, True,
+                bytes_, 96 if fp8 == 3 else None, 3, prefetch_tiles(index, 4 if bytes_ else 2))
+            self.tile = tile_launch.bind(consts, 4, **opts)
+        self.n_tail = n - self.n_full
+        self.tail = None
+        if self.n_tail:
+            block, self.tail_progs = _launch_shape(self.n_tail, flat.device)
+            self.tail = _fast_general.bind(dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block), 4)
+
+    def run(self, flat: torch.Tensor, out_row: torch.Tensor, scale_ptr, scale_val: float):
+        x = flat.view(_BITS_VIEW[self.fp8]) if self.fp8 else flat
+        if self.tile is not None:
+            self.tile(self.tile_progs, (x, out_row, scale_ptr, scale_val, self.n_full))
+        if self.tail is not None:
+            x = x[self.n_full:] if self.n_full else x
+            self.tail(self.tail_progs, (x, out_row, scale_ptr, scale_val, self.n_tail))
+
+
+_PLANS: dict = {}
 # fp8's byte-count pass (tile_fp8.py) from 1 MiB of full tiles: since its epilogue sums the row's
 # histogram before the atomics (session 6) it takes 10.0 us at 1 MiB against the value pass's
 # 10.2, 17.2 against 22.7 at 8 MiB, 24.7 against 58.0 at 32 MiB (benchmarks/RESULTS.md). Scaled
