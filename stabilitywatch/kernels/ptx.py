@@ -131,7 +131,7 @@ _LANE_BASE = """
 def _lane_hist_count_thr_ptx() -> str:
     # One count of |x| bits $1 in bin f = $1 >> 23, adding 1 | (($1 >= table[f]) << 16): the
     # low half counts the values of field f, the high half those at or above the field's
-    # threshold. Packed 16-bit counts: at most 65535 values per lane and program (launch_tile).
+    # threshold. Packed 16-bit counts: at most 65535 values per lane and program (stats_triton.tile_programs).
     return """{
     .reg .pred %p;
     .reg .b32 %l, %f, %t, %a, %i;""" + _LANE_BASE + """

@@ -283,29 +283,13 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
     return rows, 32 * num_warps, v
 
 
-def launch_tile(x, n_full: int, out_row, scale_ptr, scale_val: float, has_ptr: bool,
-                scaled: bool, fp8: int, shape: tuple, progs: int, num_warps: int = 4,
-                sum32: bool = False, parts: int = 3, ballot: bool = False,
-                direct: bool = False, fast: int = 0, words: bool = True,
-                bytes_: bool = False, maxnreg: "int | None" = None, fparts: int = 3,
-                pref: int = 0) -> None:
-    """x: the (bit-view) flat tensor; reads x[:n_full], n_full a multiple of the tile size.
-    fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
-    histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
-    scaled fp8; other scaled tensors take the careful pass."""
-    consts, opts = tile_consts(x.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, sum32, parts,
-                               ballot, fast, words, bytes_, maxnreg, fparts, pref)
-    if direct:  # compiled (not the interpreter): launch.FastLaunch
-        _launch(progs, (x, out_row, scale_ptr, scale_val, n_full), consts, num_warps, **opts)
-    else:
-        _tile_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n_full, **consts,
-                                     num_warps=num_warps, **opts)
-
-
 def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tuple,
                 sum32: bool, parts: int, ballot: bool, fast: int, words: bool, bytes_: bool,
                 maxnreg: "int | None", fparts: int, pref: int) -> tuple[dict, dict]:
-    """launch_tile's constexprs and compile options (aligned4: x starts 4-byte aligned)."""
+    """The tile kernel's constexprs and compile options (aligned4: x starts 4-byte aligned).
+    fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
+    histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
+    scaled fp8; other scaled tensors take the careful pass."""
     u, t, v = shape
     bytes_ = bool(fast and fp8 in (1, 2) and (bytes_ or scaled))
     fast = 0 if scaled and not bytes_ else fast

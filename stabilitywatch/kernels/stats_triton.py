@@ -74,8 +74,10 @@ def _put(v, idx, i: tl.constexpr, x):
     return tl.where(idx == i, x.to(tl.float64), v)
 
 
+# read once: the interpreter is on or off from the moment the @triton.jit functions are made
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # compiled: the fields of _general_row in one block-wide reduction (tl.reduce over a tuple)
-_ONE_REDUCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+_ONE_REDUCE = tl.constexpr(not _INTERPRET)
 
 
 @triton.jit
@@ -241,10 +243,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3
                  torch.float8_e5m2)
 
 
-# read once: the interpreter is on or off from the moment the @triton.jit functions are made
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _interpreting() -> bool:
     return _INTERPRET
 
@@ -292,7 +290,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
     direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts,
-    pref (stats_tile.launch_tile)."""
+    pref (stats_tile.tile_consts)."""
     n = flat.numel()
     if n == 0:
         return
@@ -301,89 +299,63 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
     scale_val = 1.0 if has_ptr else float(scale)
-    if tune is None and flat.is_cuda and not _INTERPRET:  # a kept plan: no decisions per call
-        key = (flat.dtype, n, flat.device.index, has_ptr, scale_val != 1.0,
-               flat.data_ptr() % 4 == 0)
+    scaled = has_ptr or scale_val != 1.0
+    cuda = flat.is_cuda and not _INTERPRET
+    if tune is None and cuda:  # a kept plan: no decisions per call
+        key = (flat.dtype, n, flat.device.index, has_ptr, scaled, flat.data_ptr() % 4 == 0)
         plan = _PLANS.get(key)
         if plan is None:
             if len(_PLANS) >= 4096:  # sizes that keep changing: start over
                 _PLANS.clear()
-            plan = _PLANS[key] = _RowPlan(flat, n, has_ptr, has_ptr or scale_val != 1.0)
-        plan.run(flat, out_row, scale_ptr, scale_val)
-        return
-    fp8 = _FP8_CODE.get(flat.dtype, 0)
-    x = flat.view(_BITS_VIEW[fp8]) if fp8 else flat
-    tune = tune or _NO_TUNE
-    cuda = flat.device.type == "cuda" and not _interpreting()
-    if tune.get("kernel") != "general":
-        launch_tile, tile_shape = _tile()
-        warps = tune.get("num_warps", 4)
-        shape = tile_shape(x.element_size(), not cuda, warps, tune.get("u"))
-        tile = shape[0] * shape[1] * shape[2]
-        if n >= tile:
-            n_full = n - n % tile
-            tiles = n_full // tile
-            scaled = has_ptr or scale_val != 1.0
-            # fp8 through its byte-count pass (stats_tile.launch_tile takes it when scaled too)
-            bytes_ = fp8 in (1, 2) and (tune.get("bytes", n_full >= FP8_BYTES_MIN) or scaled)
-            if cuda:
-                progs = tile_programs(tiles, tile, _sm_count(flat.device.index),
-                                      tune.get("progs_per_sm", 4), tune.get("tiles_per_prog", 8))
-            else:
-                progs = 4
-            launch_tile(x, n_full, out_row, scale_ptr, scale_val, has_ptr,
-                        scaled, fp8, shape, min(tiles, progs),
-                        num_warps=warps, sum32=tune.get("sum32", False),
-                        parts=tune.get("parts", 3), ballot=tune.get("ballot", cuda),
-                        direct=cuda and tune.get("direct", True),
-                        fast=tune.get("fast", 2 if cuda else 1), words=tune.get("words", True),
-                        bytes_=bytes_,
-                        maxnreg=tune.get("maxnreg", 96 if cuda and fp8 == 3 else None),
-                        fparts=tune.get("fparts", 3),
-                        pref=tune.get("pref", prefetch_tiles(flat.device.index,
-                                                             4 if bytes_ else 2))
-                        if cuda else 0)
-            if n_full == n:
-                return
-            x, n = x[n_full:], n - n_full
-    block, progs = _launch_shape(n, flat.device)
-    consts = dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block)
-    if cuda and tune.get("direct", True):
-        _fast_general(progs, (x, out_row, scale_ptr, scale_val, n), consts, 4)
-    else:  # the interpreter, or tune={"direct": False}
-        _row_stats_kernel[(progs,)](x, out_row, scale_ptr, scale_val, n, **consts)
+            plan = _PLANS[key] = _RowPlan(flat, n, has_ptr, scaled, cuda, _NO_TUNE)
+    else:
+        plan = _RowPlan(flat, n, has_ptr, scaled, cuda, tune or _NO_TUNE)
+    plan.run(flat, out_row, scale_ptr, scale_val)
 
 
 _fast_general = FastLaunch(_row_stats_kernel)
 
 
 class _RowPlan:
-    """launch_row_stats' decisions for one kind of tensor on a GPU (dtype, size, device, kind of
-    scale, 4-byte alignment) with the default tuning, made once: the launches that follow go
-    through launch.Bound (benchmarks/diagnose_record.py: ~11 us of host time per record less)."""
+    """launch_row_stats' decisions for one kind of tensor (dtype, size, device, kind of scale,
+    4-byte alignment) and one tuning. On a GPU with the default tuning it is kept and its
+    launches go through launch.Bound (benchmarks/diagnose_record.py: ~6 us of host time less
+    per record)."""
 
-    def __init__(self, flat: torch.Tensor, n: int, has_ptr: bool, scaled: bool):
+    def __init__(self, flat: torch.Tensor, n: int, has_ptr: bool, scaled: bool, cuda: bool,
+                 tune: dict):
         from .stats_tile import _launch as tile_launch
-        from .stats_tile import tile_consts, tile_shape
+        from .stats_tile import _tile_stats_kernel, tile_consts, tile_shape
         fp8 = self.fp8 = _FP8_CODE.get(flat.dtype, 0)
         index = flat.device.index
-        shape = tile_shape(flat.element_size(), False, 4)
+        direct = cuda and tune.get("direct", True)
+        self.n_full, self.tile = 0, None
+        warps = tune.get("num_warps", 4)
+        shape = tile_shape(flat.element_size(), not cuda, warps, tune.get("u"))
         tile = shape[0] * shape[1] * shape[2]
-        self.n_full = n - n % tile if n >= tile else 0
-        self.tile = None
-        if self.n_full:
+        if tune.get("kernel") != "general" and n >= tile:
+            self.n_full = n - n % tile
             tiles = self.n_full // tile
-            bytes_ = fp8 in (1, 2) and (self.n_full >= FP8_BYTES_MIN or scaled)
-            self.tile_progs = min(tiles, tile_programs(tiles, tile, _sm_count(index)))
+            # fp8 through its byte-count pass (tile_consts takes it when scaled too)
+            bytes_ = fp8 in (1, 2) and (tune.get("bytes", self.n_full >= FP8_BYTES_MIN) or scaled)
+            progs = (tile_programs(tiles, tile, _sm_count(index), tune.get("progs_per_sm", 4),
+                                   tune.get("tiles_per_prog", 8)) if cuda else 4)
+            self.tile_progs = min(tiles, progs)
+            pref = tune.get("pref", prefetch_tiles(index, 4 if bytes_ else 2)) if cuda else 0
             consts, opts = tile_consts(
-                flat.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, False, 3, True, 2, True,
-                bytes_, 96 if fp8 == 3 else None, 3, prefetch_tiles(index, 4 if bytes_ else 2))
-            self.tile = tile_launch.bind(consts, 4, **opts)
-        self.n_tail = n - self.n_full
-        self.tail = None
+                flat.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, tune.get("sum32", False),
+                tune.get("parts", 3), tune.get("ballot", cuda), tune.get("fast", 2 if cuda else 1),
+                tune.get("words", True), bytes_,
+                tune.get("maxnreg", 96 if cuda and fp8 == 3 else None), tune.get("fparts", 3),
+                pref)
+            self.tile = (tile_launch.bind(consts, warps, **opts) if direct
+                         else _triton_launch(_tile_stats_kernel, consts, warps, opts))
+        self.n_tail, self.tail = n - self.n_full, None
         if self.n_tail:
             block, self.tail_progs = _launch_shape(self.n_tail, flat.device)
-            self.tail = _fast_general.bind(dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block), 4)
+            consts = dict(FP8=fp8, HAS_SCALE_PTR=has_ptr, BLOCK=block)
+            self.tail = (_fast_general.bind(consts, 4) if direct
+                         else _triton_launch(_row_stats_kernel, consts, 4, {}))
 
     def run(self, flat: torch.Tensor, out_row: torch.Tensor, scale_ptr, scale_val: float):
         x = flat.view(_BITS_VIEW[self.fp8]) if self.fp8 else flat
@@ -394,6 +366,13 @@ class _RowPlan:
             self.tail(self.tail_progs, (x, out_row, scale_ptr, scale_val, self.n_tail))
 
 
+def _triton_launch(fn, consts: dict, warps: int, opts: dict):
+    # Triton's own launcher (the interpreter; tune={"direct": False}), called as launch.Bound is
+    def launch(progs: int, args: tuple) -> None:
+        fn[(progs,)](*args, **consts, num_warps=warps, **opts)
+    return launch
+
+
 _PLANS: dict = {}
 # fp8's byte-count pass (tile_fp8.py) from 1 MiB of full tiles: since its epilogue sums the row's
 # histogram before the atomics (session 6) it takes 10.0 us at 1 MiB against the value pass's
@@ -401,12 +380,6 @@ _PLANS: dict = {}
 # fp8 always takes it (the fast pass is for scale 1 only).
 FP8_BYTES_MIN = 1 << 20
 _NO_TUNE: dict = {}
-
-
-@functools.lru_cache(maxsize=1)
-def _tile():
-    from .stats_tile import launch_tile, tile_shape  # imports this module: not at the top
-    return launch_tile, tile_shape
 
 
 def triton_row(flat: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch.Tensor:

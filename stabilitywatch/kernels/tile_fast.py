@@ -26,7 +26,7 @@ import triton.language as tl
 from .ptx import (_halves_sum, _l2_prefetch, _lane_hist_count, _lane_hist_count_thr,
                   _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
-                       TS5, TS6, _add_sums, _decode_tile, _tmax, _tmin, _tsum)
+                       TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
 
 
@@ -81,7 +81,7 @@ def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
 @triton.jit
 def _span(f, lo, hi, k: tl.constexpr):
     # bit k set for the fields lo <= f < hi
-    return ((f >= lo) & (f < hi)).to(tl.int32) << k
+    return _bit((f >= lo) & (f < hi), k)
 
 
 @triton.jit
@@ -105,9 +105,8 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
     aneg = (_span(f, F4, F4 + 1, O_E4 + 1) | _span(f, F4S, F4S + 1, O_E4 + 2)
             | _span(f, F5, F5 + 1, O_E5 + 1) | _span(f, F5S, F5S + 1, O_E5 + 2)
             | _span(f, F6, F6 + 1, O_F16 + 1))
-    k = tl.arange(0, 32)[:, None]
-    w = ((pos[None, :] >> k) & 1) - ((neg[None, :] >> k) & 1)
-    wa = ((apos[None, :] >> k) & 1) - ((aneg[None, :] >> k) & 1)
+    w = _bit_rows(pos) - _bit_rows(neg)
+    wa = _bit_rows(apos) - _bit_rows(aneg)
     return tl.sum(w * h[None, :] + wa * ab[None, :], 1)
 
 

@@ -20,7 +20,7 @@ from ..formats import FORMATS, Fmt
 from .ptx import _l2_prefetch, _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
 from .stats_triton import _decode_fp8, _put
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
-                       TS5, TS6, _INF, _MAXI, _NEGINF)
+                       TS5, TS6, _INF, _MAXI, _NEGINF, _bit, _bit_rows)
 
 
 def _row_bins(fmt: Fmt) -> tuple[int, int]:
@@ -38,11 +38,6 @@ assert max(_HIS) < K_LO.value + KN.value and 0 <= K_LO.value  # (80, 111) on thi
 @triton.jit
 def _count(h, sel):
     return tl.sum(tl.where(sel, h, 0).to(tl.int64), 0)
-
-
-@triton.jit
-def _bit(sel, k: tl.constexpr):
-    return sel.to(tl.int32) << k
 
 
 @triton.jit
@@ -142,8 +137,7 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
            | _bit(fin & (yu > TH5) & (yu <= TS5), O_E5 + 2)
            | _bit(fin & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
            | _bit(fin & (yu > TH6) & (yu <= TS6), O_F16 + 2))
-    k = tl.arange(0, 32)[:, None]
-    cnt = tl.sum(((sel[None, :] >> k) & 1) * h[None, :], 1)  # int32: a program reads < 2^31
+    cnt = tl.sum(_bit_rows(sel) * h[None, :], 1)  # int32: a program reads < 2^31
     counted = ((idx >= 1) & (idx <= 4)) | ((idx >= O_E4) & (idx < O_F16 + 3))
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
     v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))

@@ -90,3 +90,16 @@ def _add_sums(x, bits, s1, s2, blo, bhi, FP8: tl.constexpr, SUM32: tl.constexpr)
         blo += _tsum(bits & 0xFFFF).to(tl.int64)
     bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
     return s1, s2, blo, bhi
+
+
+@triton.jit
+def _bit(sel, k: tl.constexpr):
+    # sel (a boolean per histogram bin) as bit k of a mask
+    return sel.to(tl.int32) << k
+
+
+@triton.jit
+def _bit_rows(mask):
+    # [32, bins]: row k holds bit k of each bin's mask (0 or 1), so that a weighted sum over
+    # axis 1 gives all of a program's counts in one block-wide reduction
+    return (mask[None, :] >> tl.arange(0, 32)[:, None]) & 1
