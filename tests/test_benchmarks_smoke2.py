@@ -56,3 +56,11 @@ def test_diagnose_record_smoke(capsys):
     assert diagnose_record.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| Monitor._record |" in out and "| StatsBuffer.add |" in out
+
+
+def test_diagnose_launches_smoke(capsys):
+    import diagnose_launches
+    assert diagnose_launches.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| one tensor | bf16 |" in out and "| many small | fp32 |" in out
+    assert "all launches:" in out

@@ -286,3 +286,17 @@ def _halves_sum(w):
     # halves of w, each times 1 (bytes 0 and 1 of 257)
     return tl.inline_asm_elementwise(asm="dp2a.lo.u32.u32 $0, $1, 257, 0;", constraints="=r,r",
                                      args=[w], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16x2_min(a, b):
+    # the two bf16 halves of a and b at once (one HMNMX2 where two FMNMX took the unpacked
+    # values); also a tl.reduce combine function
+    return tl.inline_asm_elementwise(asm="min.bf16x2 $0, $1, $2;", constraints="=r,r,r",
+                                     args=[a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16x2_max(a, b):
+    return tl.inline_asm_elementwise(asm="max.bf16x2 $0, $1, $2;", constraints="=r,r,r",
+                                     args=[a, b], dtype=tl.int32, is_pure=True, pack=1)

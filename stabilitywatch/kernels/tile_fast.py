@@ -23,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_halves_sum, _l2_prefetch, _lane_hist_count, _lane_hist_count_thr,
-                  _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2)
+from .ptx import (_bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch, _lane_hist_count,
+                  _lane_hist_count_thr, _lane_hist_init_thr_ptx, _lane_hist_init_with,
+                  _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -114,7 +115,8 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
 def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl.constexpr,
                 V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
                 FPARTS: tl.constexpr):
-    # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators
+    # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators;
+    # on the GPU (LANE) mn and mx are bf16 pairs, both halves compared at once (_words_unpair)
     TILE: tl.constexpr = U * T * V
     w = tl.reshape(cur, [U, T, V // 2])
     lo = w << 16
@@ -123,8 +125,12 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
     xh = hi.to(tl.float32, bitcast=True)
     ul = lo & 0x7FFFFFFF
     uh = hi & 0x7FFFFFFF
-    mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
-    mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
+    if LANE:
+        mn = _bf16x2_min(mn, tl.reduce(tl.reduce(w, 2, _bf16x2_min), 0, _bf16x2_min))
+        mx = _bf16x2_max(mx, tl.reduce(tl.reduce(w, 2, _bf16x2_max), 0, _bf16x2_max))
+    else:
+        mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
+        mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
     um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
                                      _tmin((uh - 1).to(tl.uint32, bitcast=True))))
     if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
@@ -151,6 +157,14 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
         h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
         h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
     return mn, mx, um1, s1, s2, bhi, h2
+
+
+@triton.jit
+def _words_unpair(p, LARGER: tl.constexpr):
+    # a bf16 pair (an int32) to the smaller or larger of its two values, as float32
+    a = (p << 16).to(tl.float32, bitcast=True)
+    b = (p & -65536).to(tl.float32, bitcast=True)
+    return tl.maximum(a, b) if LARGER else tl.minimum(a, b)
 
 
 @triton.jit
@@ -207,6 +221,9 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     last = n_full - TILE
     if WORDS:  # bf16 read as 32-bit words, two values each
         TW: tl.constexpr = TILE // 2
+        if LANE:  # bf16 pairs: +inf, +inf and -inf, -inf
+            mn = tl.full([T], 0x7F807F80, tl.int32)
+            mx = tl.full([T], -8323200, tl.int32)  # 0xFF80FF80
         wp = x_ptr.to(tl.pointer_type(tl.int32))
         wl = tl.arange(0, TW)
         # the next tile in registers while this one is reduced
@@ -218,6 +235,9 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
             mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
                 cur, mn, mx, um1, s1, s2, bhi, h2, table, U, T, V, SUM32, LANE, FPARTS)
+        if LANE:
+            mn = _words_unpair(mn, False)
+            mx = _words_unpair(mx, True)
     else:
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
         for start in range(pid * TILE, n_full, step):
