@@ -6,7 +6,10 @@ torch.compile'd reference vs the read-once floor, all measured in the same run.
     python benchmarks/bench_stats.py --smoke          # CPU: tiny sizes (the test suite runs this)
 
 The floor is the tensor's bytes over the read bandwidth of a 1 GiB float32 torch.sum measured at
-the start of the run. GPU times are medians of triton.testing.do_bench (L2 flushed between runs).
+the start of the run. GPU times are medians of triton.testing.do_bench (L2 flushed between runs),
+and in the sizes table also of the kernels' own time (gpu_time: the profiler's, L2 flushed too),
+which leaves out the ~3-5 us of launch and event overhead that do_bench adds to every call: at
+the sizes of a training step's tensors that overhead is a third of do_bench's figure.
 """
 from __future__ import annotations
 
@@ -52,6 +55,26 @@ def kernel_fn(x: torch.Tensor, tune=None):
     return lambda: launch_row_stats(flat, row, 1.0, tune)
 
 
+def gpu_time(fn, reps: int = 20) -> float:
+    """Median GPU time (us) of fn's kernels, from the first one's start to the last one's end
+    (torch.profiler), with L2 flushed before each call as do_bench does."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for i in range(reps):
+            flush.zero_()
+            with record_function(f"bench_call#{i}"):
+                fn()
+        torch.cuda.synchronize()
+    # each range is mirrored on the GPU's timeline: from its first kernel to its last
+    spans = sorted(e.time_range.elapsed_us() for e in p.events()
+                   if e.device_type == DeviceType.CUDA and e.name.startswith("bench_call#"))
+    return spans[len(spans) // 2]
+
+
 def read_bandwidth(device: str, t) -> float:
     """Bytes per microsecond of a large float32 torch.sum."""
     n = (1 << 28) if device == "cuda" else (1 << 20)
@@ -66,19 +89,25 @@ def run_sizes(a, device, t, bw) -> list[str]:
     compiled = None
     if device == "cuda" and not a.no_compile:
         compiled = torch.compile(reference_row, dynamic=True)
-    rows = ["| n | dtype | MiB | floor us | torch.sum us | ours us | ours / floor | eager us "
-            "| compiled us |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    kt = gpu_time if device == "cuda" else t  # the kernels' own time
+    rows = ["| n | dtype | MiB | floor us | torch.sum us | ours us | ours / floor | torch.sum "
+            "kernel us | ours kernel us | ours kernel / floor | ours / torch.sum, kernels "
+            "| eager us | compiled us |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "---:|---:|---:|"]
     for name, dt in DTYPES.items():
         for n in sizes:
             x = make(n, dt, device)
             nbytes = x.numel() * x.element_size()
             floor = nbytes / bw
-            summ = t(lambda: x.view(torch.uint8).sum()) if dt.itemsize == 1 else t(lambda: x.sum())
+            summ_fn = (lambda: x.view(torch.uint8).sum()) if dt.itemsize == 1 else (lambda: x.sum())
+            summ = t(summ_fn)
             ours = t(kernel_fn(x))
+            ksum, kours = kt(summ_fn), kt(kernel_fn(x))
             eager = t(lambda: reference_row(x))
             comp = t(lambda: compiled(x)) if compiled is not None else float("nan")
             rows.append(f"| 2^{n.bit_length() - 1} | {name} | {nbytes / 2**20:.3g} | {floor:.1f} | "
-                        f"{summ:.1f} | {ours:.1f} | {ours / floor:.2f} | {eager:.1f} | {comp:.1f} |")
+                        f"{summ:.1f} | {ours:.1f} | {ours / floor:.2f} | {ksum:.1f} | {kours:.1f} | "
+                        f"{kours / floor:.2f} | {kours / ksum:.2f} | {eager:.1f} | {comp:.1f} |")
     return rows
 
 

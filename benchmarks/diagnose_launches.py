@@ -68,46 +68,6 @@ def _ranges(prof, cuda: bool) -> list:
     return [e for e in prof.events() if e.device_type == want]
 
 
-def _ours(name: str) -> bool:
-    return any(k in name for k in ("_tile_stats_kernel", "_row_stats_kernel",
-                                   "_multi_row_kernel", "_multi_tile_kernel"))
-
-
-def step_lines(prof, sampled: int) -> list[str]:
-    """Per profiled step (its GPU window): kernels busy, of which ours, copies, idle."""
-    gpu = _ranges(prof, True)
-    wins = {int(e.name.split("#")[1]): (e.time_range.start, e.time_range.end)
-            for e in gpu if e.name.startswith("sw_step#")}
-    kernels = [e for e in gpu if not e.name.startswith("sw_")]
-    out = []
-    for i, (a, b) in sorted(wins.items()):
-        ours = copies = rest = 0.0
-        iv = []
-        for e in kernels:
-            s0, s1 = e.time_range.start, e.time_range.end
-            if s0 < a or s0 >= b:
-                continue
-            d = s1 - s0
-            if _ours(e.name):
-                ours += d
-            elif "Memcpy" in e.name or "Memset" in e.name:
-                copies += d
-                continue  # copy engines run beside the kernels
-            else:
-                rest += d
-            iv.append((s0, s1))
-        busy, end = 0.0, a
-        for s0, s1 in sorted(iv):
-            if s1 > end:
-                busy += s1 - max(s0, end)
-                end = s1
-        out.append(f"# step {i}{' (sampled)' if i == sampled else ''}: GPU window "
-                   f"{(b - a) / 1e3:.2f} ms, kernels busy {busy / 1e3:.2f} (statistics "
-                   f"{ours / 1e3:.2f}, the rest {rest / 1e3:.2f}), idle {(b - a - busy) / 1e3:.2f}; "
-                   f"copies {copies / 1e3:.2f}")
-    return out
-
-
 def instrument(marks: Marks):
     """Wrap the launch paths (before the monitor exists: the taps keep their launches).
     Returns the function that puts them back."""
@@ -217,14 +177,11 @@ def _step(a, cuda: bool, device: str, marks: Marks) -> list:
         with torch.profiler.profile(activities=acts) as prof:
             for i in steps:
                 marks.on = i == sampled
-                with torch.profiler.record_function(f"sw_step#{i}"):
-                    train_step(model, opt, batch, mon, i)
+                train_step(model, opt, batch, mon, i)
             marks.on = False
             if cuda:
                 torch.cuda.synchronize()
         mon.close()
-    if cuda:
-        print("\n".join(step_lines(prof, sampled)))
     return marks.spans(prof)
 
 
