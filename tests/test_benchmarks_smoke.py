@@ -16,6 +16,7 @@ def load(name: str):
     return mod
 
 
+@pytest.mark.interpreter
 def test_kernel_accuracy_smoke(capsys):
     results = load("kernel_accuracy").main(["--smoke"])
     out = capsys.readouterr().out

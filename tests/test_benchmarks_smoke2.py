@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
@@ -20,6 +22,7 @@ def test_bench_overhead_interleaved_rounds(capsys):
     assert "2 round(s)" in out and "| default config without sinks |" in out
 
 
+@pytest.mark.interpreter
 def test_bench_stats_smoke(capsys):
     import bench_stats
     assert bench_stats.main(["--smoke"]) == 0

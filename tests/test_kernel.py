@@ -24,7 +24,8 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 INF, NAN = math.inf, math.nan
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # the interpreter's numpy arithmetic warns when x * scale overflows to inf (as intended)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.interpreter]
 
 
 # ---- inputs ---------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from stabilitywatch.kernels.stats_triton import launch_row_stats  # noqa: E402
 from stabilitywatch.stats.layout import HIST_BINS, Stat, init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
+pytestmark = pytest.mark.interpreter
+
 TILE = 8192
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 

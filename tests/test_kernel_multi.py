@@ -17,6 +17,8 @@ from stabilitywatch.stats.buffer import StatsBuffer  # noqa: E402
 from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
+pytestmark = pytest.mark.interpreter
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 

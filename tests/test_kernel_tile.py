@@ -18,6 +18,8 @@ from stabilitywatch.kernels.stats_triton import launch_row_stats, triton_row  # 
 from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
+pytestmark = pytest.mark.interpreter
+
 BLOCK = 8192  # the interpreter's tile and block size (stats_tile.tile_shape, _launch_shape)
 
 
