@@ -5,8 +5,8 @@ its bytes take at the read-once floor (GPU; a CPU smoke size runs the same code)
 
 Every launch of the step (launch_row_stats, and the taps' kept multi-tensor launches) is timed
 by the profiler (its kernels' own GPU time); launches of the same kind (path, dtype, size) are
-grouped. The floor
-is the bytes over the read bandwidth of a 1 GiB float32 torch.sum measured in the same run.
+grouped. The floor is the bytes over the read bandwidth of a 1 GiB float32 torch.sum measured in
+the same run.
 --isolated also times each single-tensor kind alone (do_bench, L2 flushed, as bench_stats).
 Where the step's statistics time goes: fixed cost per launch (many mid-size tensors) or
 throughput (a few large ones).
@@ -34,9 +34,10 @@ from bench_stats import kernel_fn, make, read_bandwidth, timer  # noqa: E402
 
 
 class Marks:
-    """Each launch inside a profiler range of its own: on the GPU the range's device time is
-    its kernels' own time (not the gaps between them, which a host that falls behind would
-    add); on the CPU, where the interpreter runs a launch to its end, the range's host time."""
+    """Each launch inside a profiler range of its own, timed on the GPU from its first kernel's
+    start to its last kernel's end (not from the host's call: a host that falls behind the GPU
+    would add its own time); on the CPU, where the interpreter runs a launch to its end, by the
+    range's host time."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
