@@ -89,7 +89,7 @@ def _span(f, lo, hi, k: tl.constexpr):
 def _hist_counts(h, ab, f, FP8: tl.constexpr):
     # The row's counts (at their field index in a 32-vector; _BAD at index 24) as sums of h and
     # ab over field ranges, all in one reduction: bit k of pos/neg (apos/aneg) says that h[f]
-    # (ab[f]) adds to / takes from count k. What each count is: see _fast_tiles' docstring.
+    # (ab[f]) adds to / takes from count k. What each count is: see the module's docstring.
     pos = (_span(f, 0, 1, 4) | _span(f, F4M + 1, 256, O_E4) | _span(f, 1, 255, O_E4 + 1)
            | _span(f, F4 + 1, 256, O_E4 + 2) | _span(f, F_MAXBIN + 1, 255, O_E5)
            | _span(f, 1, 255, O_E5 + 1) | _span(f, F5 + 1, 256, O_E5 + 2)
