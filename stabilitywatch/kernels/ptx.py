@@ -300,3 +300,140 @@ def _bf16x2_min(a, b):
 def _bf16x2_max(a, b):
     return tl.inline_asm_elementwise(asm="max.bf16x2 $0, $1, $2;", constraints="=r,r,r",
                                      args=[a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+# The bf16 fast pass's sums and fingerprint on the tensor cores (sm_80 and later), four 32-bit
+# words (eight bf16 values) of a thread per call; the warp's 32 calls together are one 16 x 16
+# bf16 matrix A (which value sits where does not matter to a sum). Lane L = 4g + t holds rows g
+# and g + 8 of A (the standard m16n8k16 fragment: $12 row g, $13 row g+8, $14 and $15 their
+# second halves), and B's column g.
+# - $0: the sum of the values, A times a column of ones; rows g and g + 8 from the lanes t == 0.
+# - $4: the sum of squares, the trace of A A^T, in two m16n8k8 halves (the words $12, $13 and
+#   $14, $15): A times B = (row g as column g) puts |row g|^2 at (g, g) of E; A times (row g + 8
+#   as column g) puts |row g + 8|^2 at (g + 8, g) of F. The lane t == g >> 1 holds both (E's
+#   and F's first or second column by g's parity); the other entries are not used. (Operands
+#   as they lie in registers: a swapped pair would cost moves.)
+# Products of bf16 values are exact in float32 and the eight-element accumulations of equal
+# binades are too (module tile_fast says when the fast pass takes this).
+# - $8..$11: the fingerprint's running sums (u8 m16n8k32, exact int32): the same words as 16
+#   x 32 bytes times a B whose column 0 takes the low byte of each bf16 value and column 1 its
+#   high byte (the other columns are zero): the lanes t == 0 hold rows g and g + 8, low bytes
+#   in $8 and $10, high bytes in $9 and $11; the other lanes hold zeros.
+# $1-$3 and $5-$7 are zero (the caller keeps the first of each four).
+_MMA_SUMS = tl.constexpr("""{
+    .reg .b32 %l, %g, %t, %h, %b, %one;
+    .reg .f32 %d0, %d1, %d2, %d3, %e0, %e1, %e2, %e3, %f0, %f1, %f2, %f3, %z, %s, %x;
+    .reg .pred %p0, %pd, %po, %pb;
+    mov.u32 %l, %laneid;
+    shr.u32 %g, %l, 2;
+    and.b32 %t, %l, 3;
+    shr.u32 %h, %g, 1;
+    setp.eq.u32 %p0, %t, 0;
+    setp.eq.u32 %pd, %t, %h;
+    and.b32 %h, %g, 1;
+    setp.ne.u32 %po, %h, 0;
+    setp.lt.u32 %pb, %g, 2;
+    shl.b32 %h, %h, 3;
+    mov.b32 %b, 65537;
+    shl.b32 %b, %b, %h;
+    selp.b32 %b, %b, 0, %pb;
+    mov.b32 %one, 0x3F803F80;
+    mov.f32 %z, 0f00000000;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%d0, %d1, %d2, %d3},
+        {$12, $13, $14, $15}, {%one, %one}, {%z, %z, %z, %z};
+    add.f32 %s, %d0, %d2;
+    selp.f32 $0, %s, %z, %p0;
+    mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%e0, %e1, %e2, %e3},
+        {$12, $13}, {$12}, {%z, %z, %z, %z};
+    mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%e0, %e1, %e2, %e3},
+        {$14, $15}, {$14}, {%e0, %e1, %e2, %e3};
+    mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%f0, %f1, %f2, %f3},
+        {$12, $13}, {$13}, {%z, %z, %z, %z};
+    mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%f0, %f1, %f2, %f3},
+        {$14, $15}, {$15}, {%f0, %f1, %f2, %f3};
+    selp.f32 %s, %e1, %e0, %po;
+    selp.f32 %x, %f3, %f2, %po;
+    add.f32 %s, %s, %x;
+    selp.f32 $4, %s, %z, %pd;
+    mov.f32 $1, %z;
+    mov.f32 $2, %z;
+    mov.f32 $3, %z;
+    mov.f32 $5, %z;
+    mov.f32 $6, %z;
+    mov.f32 $7, %z;
+    mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {$8, $9, $10, $11},
+        {$12, $13, $14, $15}, {%b, %b}, {$16, $17, $18, $19};
+    }""")
+
+
+@triton.jit
+def _mma_sums(w, fp):
+    # w: bf16 pairs (int32), fp: the fingerprint's running sums (int32, w's shape). Returns (sum
+    # parts, sum-of-squares parts, fp); each four elements are one call's $0-$3, $4-$7, $8-$11.
+    return tl.inline_asm_elementwise(
+        asm=_MMA_SUMS, constraints="=f,=f,=f,=f,=f,=f,=f,=f,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+        args=[w, fp], dtype=(tl.float32, tl.float32, tl.int32), is_pure=True, pack=4)
+
+
+# The bf16 fast pass's histogram count without the threshold table in shared memory (whose
+# load per element was 27 % of the bf16 kernel, the shared-memory pipe's limit). Each bin's high
+# half counts instead the values of its field BELOW the field's threshold (the caller takes
+# field count - that). For a 7-bit mantissa m that is bit 7 of m + K with K = 256 - M (M: the
+# field's first mantissa at or above the threshold), K from an 8-byte table in two registers,
+# looked up by one `prmt` per word: the index is ((field + WORDS_HASH_ADD) >> 2) & 15, which
+# separates the six threshold fields by their M (words_thr_table checks it). An index nibble
+# with bit 3 set makes prmt give the selected byte's sign replicated (0xFF: every K has its top
+# bit set), which is K for M = 1, the only M such fields have. Other fields' high halves are
+# not used. The index is taken from the word plus the hash's add: a carry out of the low value
+# (its sign bit set) can reach the high value's field only through a mantissa of 127, whose
+# flag is 0 whatever K is.
+WORDS_HASH_ADD = 16
+
+
+def words_thr_table(thr: dict) -> tuple[int, int]:
+    """The 8 bytes K of the lookup as two 32-bit words, from {field: first |x| bits counted}."""
+    ks: list = [None] * 8
+    for f, c in thr.items():
+        m = -(-c // 65536) - (f << 7)  # bf16 values: the first 7-bit mantissa at or above c
+        assert 1 <= m <= 127, (f, c)
+        n, k = ((f + WORDS_HASH_ADD) >> 2) & 15, 256 - m
+        if n & 8:  # sign mode
+            assert k == 255, (f, m)
+        else:
+            assert ks[n] in (None, k), (f, n)
+            ks[n] = k
+    ks = [255 if k is None else k for k in ks]
+    assert all(k >= 128 for k in ks)
+    return (sum(k << (8 * i) for i, k in enumerate(ks[:4])),
+            sum(k << (8 * i) for i, k in enumerate(ks[4:])))
+
+
+def _lane_hist_count_words_ptx(thr: dict) -> str:
+    # $1: a word of two bf16 values; each counted in its exponent field's bin (as
+    # _lane_hist_count), adding 1 | (below its field's threshold) << 16
+    lo, hi = words_thr_table(thr)
+    add = (WORDS_HASH_ADD << 7) | (WORDS_HASH_ADD << 23)
+    return """{
+    .reg .b32 %l, %q, %a, %b, %s, %k, %x, %v, %r;""" + _LANE_BASE + f"""
+    add.u32 %q, $1, {add};
+    shr.u32 %a, %q, 9;
+    shr.u32 %b, %q, 17;
+    lop3.b32 %s, %a, %b, 15, 0xE4;
+    prmt.b32 %k, {lo}, {hi}, %s;
+    and.b32 %k, %k, 0x00FF00FF;
+    and.b32 %x, $1, 0x007F007F;
+    add.u32 %x, %x, %k;
+    shl.b32 %v, %x, 9;
+    and.b32 %v, %v, 65536;
+    or.b32 %v, %v, 1;
+    and.b32 %r, $1, 0x7F80;
+    add.u32 %r, %r, %l;
+    red.shared.add.u32 [%r], %v;
+    shr.u32 %v, %x, 7;
+    and.b32 %v, %v, 65536;
+    or.b32 %v, %v, 1;
+    shr.u32 %r, $1, 16;
+    and.b32 %r, %r, 0x7F80;
+    add.u32 $0, %r, %l;
+    red.shared.add.u32 [$0], %v;
+    }}"""
