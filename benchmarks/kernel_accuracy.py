@@ -1,9 +1,7 @@
 """Accuracy of the statistics kernel's SUM and SUMSQ (and so of mean and std) on large tensors.
 
-For fp32 and bf16 inputs and five distributions — randn, randn + 1000 and randn + 1024
-(cancellation in the std; the second across a power of two), wide log-normal magnitudes with
-random signs, and randn * 2^-70 (squares below float32's normal range) — the kernel's row is
-compared with
+For fp32 and bf16 inputs and three distributions — randn, randn + 1000 (cancellation in the
+std), and wide log-normal magnitudes with random signs — the kernel's row is compared with
 exact float64 values: every fp32/bf16 value and its square are exact in float64, so math.fsum
 (correctly rounded) gives the reference SUM and SUMSQ; the reference std is two-pass
 (fsum of (x - mean)^2). The pure-torch reference row (the CPU path) is measured alongside as
@@ -39,7 +37,7 @@ from stabilitywatch.stats.layout import Stat  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DISTS = ("randn", "randn+1000", "randn+1024", "lognormal", "tiny")
+DISTS = ("randn", "randn+1000", "lognormal")
 _CHUNK = 1 << 20
 
 
@@ -48,10 +46,6 @@ def make(dist: str, n: int, dtype: torch.dtype, device: str, seed: int = 0) -> t
     x = torch.randn(n, device=device, generator=g)
     if dist == "randn+1000":
         x += 1000.0
-    elif dist == "randn+1024":  # straddles a power of two: two binades
-        x += 1024.0
-    elif dist == "tiny":  # squares below float32's normal range
-        x *= 2.0 ** -70
     elif dist == "lognormal":  # magnitudes e^(4 z): about 2^-23 .. 2^23 at 4 sigma
         sign = torch.randint(0, 2, (n,), device=device, generator=g) * 2 - 1
         x = torch.exp(4 * torch.randn(n, device=device, generator=g)) * sign

@@ -218,8 +218,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
                        BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
                        WORDS: tl.constexpr = False, BYTES: tl.constexpr = False,
-                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0,
-                       MMA: tl.constexpr = 0, WTHR: tl.constexpr = 0):
+                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
     # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
     # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
     # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
@@ -244,7 +243,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
         e0 = pid * 0 + 31
     elif FAST:
         clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
-                                     FAST == 2, WORDS, FPARTS, PREF, MMA, WTHR)
+                                     FAST == 2, WORDS, FPARTS, PREF)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
@@ -286,8 +285,7 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
 
 def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tuple,
                 sum32: bool, parts: int, ballot: bool, fast: int, words: bool, bytes_: bool,
-                maxnreg: "int | None", fparts: int, pref: int,
-                mma: bool = False, wthr: bool = False) -> tuple[dict, dict]:
+                maxnreg: "int | None", fparts: int, pref: int) -> tuple[dict, dict]:
     """The tile kernel's constexprs and compile options (aligned4: x starts 4-byte aligned).
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
     histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
@@ -299,8 +297,7 @@ def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tu
     words = bool(fast and fp8 == 3 and words and aligned4)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
                   PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
-                  BYTES=bytes_, FPARTS=fparts, PREF=pref,
-                  MMA=int(mma and words and fast == 2), WTHR=int(wthr and words and fast == 2))
+                  BYTES=bytes_, FPARTS=fparts, PREF=pref)
     # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
     # what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}

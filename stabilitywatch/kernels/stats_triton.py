@@ -248,12 +248,6 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def has_mma(index: "int | None") -> bool:
-    """bf16 mma.sync (ptx._mma_sums) is sm_80 and later."""
-    return torch.cuda.get_device_capability(index) >= (8, 0)
-
-
-@functools.lru_cache(maxsize=None)
 def prefetch_tiles(index: "int | None", ahead: int) -> int:
     """`ahead` on devices whose PTX has the L2 bulk prefetch (ptx._l2_prefetch: sm_90 and
     later), else 0: the kernels must still compile on an A100 or an L4."""
@@ -296,7 +290,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
     direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts,
-    pref, mma, wthr (stats_tile.tile_consts)."""
+    pref (stats_tile.tile_consts)."""
     n = flat.numel()
     if n == 0:
         return
@@ -353,7 +347,7 @@ class _RowPlan:
                 tune.get("parts", 3), tune.get("ballot", cuda), tune.get("fast", 2 if cuda else 1),
                 tune.get("words", True), bytes_,
                 tune.get("maxnreg", 96 if cuda and fp8 == 3 else None), tune.get("fparts", 3),
-                pref, cuda and tune.get("mma", has_mma(index)), cuda and tune.get("wthr", True))
+                pref)
             self.tile = (tile_launch.bind(consts, warps, **opts) if direct
                          else _triton_launch(_tile_stats_kernel, consts, warps, opts))
         self.n_tail, self.tail = n - self.n_full, None

@@ -23,10 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_LANE_HIST_INIT, _bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch,
-                  _lane_hist_add, _lane_hist_count, _lane_hist_count_thr,
-                  _lane_hist_count_words_ptx, _lane_hist_init_thr_ptx, _lane_hist_init_with,
-                  _lane_hist_read2, _mma_sums)
+from .ptx import (_bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch, _lane_hist_count,
+                  _lane_hist_count_thr, _lane_hist_init_thr_ptx, _lane_hist_init_with,
+                  _lane_hist_read2)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -39,7 +38,6 @@ def _field(bits: int) -> int:
 assert _field(TM5.value) == _field(TM6.value) == 142 and _field(TM4.value) < 142
 F_MAXBIN = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
 F_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
-M1_MMA = tl.constexpr(((127 - 62) << 23) - 1)  # min nonzero |x| at least 2^-62
 _BAD = tl.constexpr(24)  # where _hist_counts puts the count of values the fast pass cannot take
 assert O_E5.value == O_E4.value + 3 and O_F16.value == O_E5.value + 3 and O_HIST.value <= _BAD
 
@@ -63,7 +61,6 @@ C6, C5, C5S, C4, C4S, C4M = (tl.constexpr(_THR[F6.value]), tl.constexpr(_THR[F5.
                              tl.constexpr(_THR[F5S.value]), tl.constexpr(_THR[F4.value]),
                              tl.constexpr(_THR[F4S.value]), tl.constexpr(_THR[F4M.value]))
 _INIT_THR = tl.constexpr(_lane_hist_init_thr_ptx(_THR))
-_COUNT_WORDS = tl.constexpr(_lane_hist_count_words_ptx(_THR))  # bf16 words, no table
 
 
 @triton.jit
@@ -115,15 +112,11 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
 
 
 @triton.jit
-def _words_tile(cur, mn, mx, um1, s1, s2, bhi, fpw, h2, table, U: tl.constexpr,
-                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                FPARTS: tl.constexpr, MMA: tl.constexpr, WTHR: tl.constexpr):
+def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl.constexpr,
+                V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
+                FPARTS: tl.constexpr):
     # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators;
-    # on the GPU (LANE) mn and mx are bf16 pairs, both halves compared at once (_words_unpair).
-    # MMA (GPU): the sums and the fingerprint on the tensor cores (ptx._mma_sums): the sums in
-    # float32 per tile, then float64; the fingerprint's words in fpw until the end. WTHR (GPU):
-    # the threshold counts without the table (ptx._lane_hist_count_words_ptx; high halves count
-    # the values below their field's threshold).
+    # on the GPU (LANE) mn and mx are bf16 pairs, both halves compared at once (_words_unpair)
     TILE: tl.constexpr = U * T * V
     w = tl.reshape(cur, [U, T, V // 2])
     lo = w << 16
@@ -140,12 +133,7 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, fpw, h2, table, U: tl.constexpr,
         mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
     um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
                                      _tmin((uh - 1).to(tl.uint32, bitcast=True))))
-    if MMA:
-        p1, p2, fpw = _mma_sums(w, fpw)
-        first = (tl.arange(0, V // 2) % 4 == 0)[None, None, :]  # $0 and $4 of each call
-        s1 += _tsum(tl.where(first, p1, 0.0)).to(tl.float64)
-        s2 += _tsum(tl.where(first, p2, 0.0)).to(tl.float64)
-    elif SUM32:  # float32 within the tile (the squares of bf16 values are exact)
+    if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
         s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
         s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
     else:
@@ -153,16 +141,12 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, fpw, h2, table, U: tl.constexpr,
         h64 = xh.to(tl.float64)
         s1 += _tsum(l64) + _tsum(h64)
         s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
-    if MMA:
-        pass
-    elif LANE:  # GPU
+    if LANE:  # GPU
         bhi += _tsum(_halves_sum(w)).to(tl.int64)
     else:
         bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
     if (FPARTS & 2) == 0:
         pass
-    elif LANE and (FPARTS & 1) and WTHR:
-        _lane_hist_add(w, table, _COUNT_WORDS)
     elif LANE and (FPARTS & 1):
         _lane_hist_count_thr(ul, table)
         _lane_hist_count_thr(uh, table)
@@ -172,7 +156,7 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, fpw, h2, table, U: tl.constexpr,
     else:
         h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
         h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
-    return mn, mx, um1, s1, s2, bhi, fpw, h2
+    return mn, mx, um1, s1, s2, bhi, h2
 
 
 @triton.jit
@@ -211,15 +195,12 @@ def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8: tl.con
 @triton.jit
 def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
                 T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0,
-                MMA: tl.constexpr = 0, WTHR: tl.constexpr = 0):
+                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
     # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
     # of tl.histogram. WORDS (bf16 at a 4-byte aligned address): two values per 32-bit word.
     # FPARTS (benchmarks only, timing what each part costs; the row is wrong without both):
     # bit 0 the threshold counts, bit 1 the histogram. PREF (GPU): L2 prefetch, tiles ahead.
-    # MMA (GPU, sm_80+, with WORDS): bf16 sums and fingerprint on the tensor cores. WTHR (GPU,
-    # with WORDS): bf16 threshold counts without the table in shared memory.
     TILE: tl.constexpr = U * T * V
     cs6 = tl.zeros([T], dtype=tl.int32)
     um1 = tl.full([T], 0xFFFFFFFF, tl.uint32)  # min of |x| bits - 1: zeros wrap to the top
@@ -231,10 +212,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     bhi = tl.zeros([T], dtype=tl.int64)
     f = tl.arange(0, 256)
     h2 = tl.zeros([512], dtype=tl.int32)
-    if LANE and WORDS and WTHR:
-        table = _lane_hist_init_with(pid * 0, _LANE_HIST_INIT)
-        tl.debug_barrier()
-    elif LANE:
+    if LANE:
         table = _lane_hist_init_with(pid * 0, _INIT_THR)  # and the threshold table
         tl.debug_barrier()
     else:
@@ -248,7 +226,6 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             mx = tl.full([T], -8323200, tl.int32)  # 0xFF80FF80
         wp = x_ptr.to(tl.pointer_type(tl.int32))
         wl = tl.arange(0, TW)
-        fpw = tl.zeros([U, T, V // 2], dtype=tl.int32)
         # the next tile in registers while this one is reduced
         nxt = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE, last) // 2, TW) + wl)
         for start in range(pid * TILE, n_full, step):
@@ -256,16 +233,11 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             nxt = tl.load(wp + tl.multiple_of(tl.minimum(start + step, last) // 2, TW) + wl)
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
-            mn, mx, um1, s1, s2, bhi, fpw, h2 = _words_tile(
-                cur, mn, mx, um1, s1, s2, bhi, fpw, h2, table, U, T, V, SUM32, LANE, FPARTS,
-                MMA, WTHR)
+            mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
+                cur, mn, mx, um1, s1, s2, bhi, h2, table, U, T, V, SUM32, LANE, FPARTS)
         if LANE:
             mn = _words_unpair(mn, False)
             mx = _words_unpair(mx, True)
-        if MMA:  # low bytes at call positions 0 and 2, high bytes at 1 and 3 (ptx._MMA_SUMS)
-            q = (tl.arange(0, V // 2) % 2)[None, None, :]
-            f64 = fpw.to(tl.int64)
-            bhi = tl.sum(tl.sum(tl.where(q == 0, f64, f64 * 256), 2), 0)
     else:
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
         for start in range(pid * TILE, n_full, step):
@@ -280,8 +252,6 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)
-        if WORDS and WTHR:  # the high halves counted the values below the thresholds
-            ab = h - ab
     else:
         hh = tl.reshape(h2, [2, 256])
         row = tl.reshape(tl.arange(0, 512) // 256, [2, 256])
@@ -294,8 +264,6 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     cnt = _hist_counts(h, ab, f, FP8)
     idx = tl.arange(0, 32)
     clean = (tl.sum(tl.where(idx == _BAD, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
-    if MMA and WORDS:  # the squares on the tensor cores stay normal float32 (module docstring)
-        clean = clean & (m1 >= M1_MMA)
     counted = (idx == 4) | ((idx >= O_E4) & (idx < O_F16 + 3))  # the fields cnt fills
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
     v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))

@@ -19,7 +19,7 @@ from ..stats.layout import N_STATS
 from .launch import FastLaunch
 from .stats_multi import _ELT as _MULTI_ELT
 from .stats_tile import _careful_tiles, tile_shape
-from .stats_triton import (_emit_scalars, _interpreting, _sm_count, has_mma, prefetch_tiles,
+from .stats_triton import (_emit_scalars, _interpreting, _sm_count, prefetch_tiles,
                            tile_programs)
 from .tile_fast import _fast_tiles
 from .tile_ops import HBINS, O_HIST
@@ -32,8 +32,7 @@ _ELT = {d: _MULTI_ELT[d] for d in (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.constexpr,
                        T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
-                       WORDS: tl.constexpr, PREF: tl.constexpr, MMA: tl.constexpr = 0,
-                       WTHR: tl.constexpr = 0):
+                       WORDS: tl.constexpr, PREF: tl.constexpr):
     g = tl.program_id(0)
     k = tl.load(prog_ptr + 2 * g)
     pid = tl.load(prog_ptr + 2 * g + 1)
@@ -57,7 +56,7 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
     hc1 = hc0
     e0 = pid * 0
     clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, False, LANE,
-                                 WORDS, 3, PREF, MMA, WTHR)
+                                 WORDS, 3, PREF)
     if clean == 0:
         v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, FP8,
                                                False, U, T, V, False, 3, 0, PREF)
@@ -93,9 +92,7 @@ class TileManyLaunch:
         self.grid = len(progs) // 2
         words = dtype == torch.bfloat16 and all(f.data_ptr() % 4 == 0 for f in flats)
         self.consts = dict(ELT=_ELT[dtype], U=u, T=t, V=v, LANE=self.cuda, WORDS=words,
-                           PREF=prefetch_tiles(device.index, 2) if self.cuda else 0,
-                           MMA=int(self.cuda and words and has_mma(device.index)),
-                           WTHR=int(self.cuda and words))
+                           PREF=prefetch_tiles(device.index, 2) if self.cuda else 0)
         # as for one tensor (stats_triton.launch_row_stats): a register cap for bf16
         self.opts = {"maxnreg": 96} if self.cuda and dtype == torch.bfloat16 else {}
 
