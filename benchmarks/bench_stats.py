@@ -112,16 +112,19 @@ def run_sizes(a, device, t, bw) -> list[str]:
 
 
 VARIANTS = {
-    "fast pass (v5 default: bf16 words, 2 loads/thread, 96-register cap, 4 programs/SM, L2 "
-    "prefetch 2 tiles ahead; fp8 byte counts, prefetch 4)": {},
+    "fast pass (v6 default: bf16 words, table loads grouped, 2 loads/thread, 96-register cap, "
+    "4 programs/SM, L2 prefetch 2 tiles ahead, 4 for bf16 and fp8 byte counts)": {},
+    "fast, L2 prefetch 2 tiles ahead (v5)": {"pref": 2},
     "fast, 8 programs per SM": {"progs_per_sm": 8},
     "fast, 8 programs per SM, no L2 prefetch (v4)": {"pref": 0, "progs_per_sm": 8},
     "careful pass only, warp ballots (v3)": {"fast": 0},
     "fast, bf16 one value per lane (no words)": {"words": False},
     "fast, no register cap": {"maxnreg": None},
     "fast, 1 load per thread": {"u": 1},
+    "fast, 4 loads per thread": {"u": 4},
     "fast, one tile per program where possible": {"tiles_per_prog": 1},
     "fast, 8 warps": {"num_warps": 8},
+    "fast, 8 warps, L2 prefetch 4 tiles ahead": {"num_warps": 8, "pref": 4},
     "fast, float32 sums within a tile": {"sum32": True},
     "timing only (row wrong): fast without the histogram": {"fparts": 1},
     "timing only (row wrong): fast without the threshold counts": {"fparts": 2},

@@ -4,7 +4,8 @@ memory traffic (values made in registers), to tell which piece bounds the kernel
     python benchmarks/diagnose_atoms.py
 
 - count: one `red.shared.add` per element into the lane histogram (ptx._lane_hist_count);
-- count+table: the same with the threshold table lookup (ptx._lane_hist_count_thr);
+- count+table: the same with the threshold table lookup (ptx._lane_thr_lookup, _lane_thr_value,
+  _lane_hist_add_value);
 - alu: the same value arithmetic and a register sum instead of the count.
 Elements per clock per SM use the SM clock nvidia-smi reports (or 1.98 GHz).
 """
@@ -17,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from stabilitywatch.kernels.ptx import (_lane_hist_count, _lane_hist_count_thr,
-                                        _lane_hist_init_with, _lane_hist_read)
+from stabilitywatch.kernels.ptx import (_lane_hist_add_value, _lane_hist_count,
+                                        _lane_hist_init_with, _lane_hist_read, _lane_thr_lookup,
+                                        _lane_thr_value)
 from stabilitywatch.kernels.tile_fast import _INIT_THR
 
 
@@ -36,7 +38,8 @@ def _probe(out_ptr, iters, MODE: tl.constexpr, N: tl.constexpr):
         if MODE == 0:
             _lane_hist_count(u.to(tl.int32), table)
         elif MODE == 1:
-            _lane_hist_count_thr(u.to(tl.int32), table)
+            v = u.to(tl.int32)
+            _lane_hist_add_value(v, _lane_thr_value(v, _lane_thr_lookup(v)), table)
         else:
             acc += u
     tl.debug_barrier()

@@ -128,27 +128,33 @@ _LANE_BASE = """
     add.u32 %l, %l, $2;"""
 
 
-def _lane_hist_count_thr_ptx() -> str:
-    # One count of |x| bits $1 in bin f = $1 >> 23, adding 1 | (($1 >= table[f]) << 16): the
-    # low half counts the values of field f, the high half those at or above the field's
-    # threshold. Packed 16-bit counts: at most 65535 values per lane and program (stats_triton.tile_programs).
-    return """{
-    .reg .pred %p;
-    .reg .b32 %l, %f, %t, %a, %i;""" + _LANE_BASE + """
-    shr.u32 %f, $1, 23;
+# The threshold counts in two steps, each over a whole tile: first every element's table word
+# (one ld.shared each), then every element's count. In one asm block per element (load,
+# compare, atomic) ptxas kept each load behind the previous element's atomic (both touch
+# shared memory), a chain of load latencies through the tile.
+_THR_LOOKUP = tl.constexpr("""{
+    .reg .b32 %a, %t;
     mov.u32 %a, sw_thr_table;
-    shl.b32 %t, %f, 2;
+    shr.u32 %t, $1, 23;
+    shl.b32 %t, %t, 2;
     add.u32 %a, %a, %t;
-    ld.shared.u32 %t, [%a];
-    setp.ge.u32 %p, $1, %t;
-    selp.u32 %i, 65537, 1, %p;
-    shl.b32 $0, %f, 7;
+    ld.shared.u32 $0, [%a];
+    }""")
+
+
+def _lane_hist_add_value_ptx() -> str:
+    # adds $2 to bin $1 >> 23 of this lane's column
+    return """{
+    .reg .b32 %l;""" + _LANE_BASE.replace("$2", "$3") + """
+    shr.u32 $0, $1, 23;
+    shl.b32 $0, $0, 7;
     add.u32 $0, $0, %l;
-    red.shared.add.u32 [$0], %i;
+    red.shared.add.u32 [$0], $2;
     }"""
 
 
-_LANE_HIST_COUNT_THR = tl.constexpr(_lane_hist_count_thr_ptx())
+_LANE_HIST_ADD_VALUE = tl.constexpr(_lane_hist_add_value_ptx())
+
 
 
 
@@ -224,9 +230,27 @@ def _lane_hist_add(u, table, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lane_hist_count_thr(u, table):
-    # u: |x| bit patterns; the threshold table is found by name (tile_fast's init writes it)
-    return _lane_hist_add(u, table, _LANE_HIST_COUNT_THR)
+def _lane_thr_lookup(u):
+    # u: |x| bit patterns; the threshold table's word for each one's exponent field (the table
+    # is found by name: tile_fast's init writes it; constant after that barrier)
+    return tl.inline_asm_elementwise(asm=_THR_LOOKUP, constraints="=r,r", args=[u],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_thr_value(u, t):
+    # the count to add for |x| bits u and its field's table word t: 1 | (u >= t) << 16 (the low
+    # half counts the values of the field, the high half those at or above its threshold).
+    # Packed 16-bit counts: at most 65535 values per lane and program (stats_triton.tile_programs)
+    return tl.where(u.to(tl.uint32, bitcast=True) >= t.to(tl.uint32, bitcast=True), 65537, 1)
+
+
+@triton.jit
+def _lane_hist_add_value(u, v, table):
+    # adds v (int32) to the bin of each |x| bit pattern u (as _lane_hist_count)
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_ADD_VALUE, constraints="=r,r,r,r",
+                                     args=[u, v, table + tl.zeros_like(u)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit

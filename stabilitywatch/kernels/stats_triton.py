@@ -341,7 +341,8 @@ class _RowPlan:
             progs = (tile_programs(tiles, tile, _sm_count(index), tune.get("progs_per_sm", 4),
                                    tune.get("tiles_per_prog", 8)) if cuda else 4)
             self.tile_progs = min(tiles, progs)
-            pref = tune.get("pref", prefetch_tiles(index, 4 if bytes_ else 2)) if cuda else 0
+            pref = tune.get("pref", prefetch_tiles(index, PREFETCH_AHEAD[bytes_ or fp8 == 3])
+                            ) if cuda else 0
             consts, opts = tile_consts(
                 flat.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, tune.get("sum32", False),
                 tune.get("parts", 3), tune.get("ballot", cuda), tune.get("fast", 2 if cuda else 1),
@@ -379,6 +380,10 @@ _PLANS: dict = {}
 # 10.2, 17.2 against 22.7 at 8 MiB, 24.7 against 58.0 at 32 MiB (benchmarks/RESULTS.md). Scaled
 # fp8 always takes it (the fast pass is for scale 1 only).
 FP8_BYTES_MIN = 1 << 20
+# Tiles ahead for the L2 prefetch: 4 for fp8's byte-count pass and bf16, 2 for the others. bf16
+# took 4 once its table loads were grouped ahead of its atomics (session 9: 191-192 us against
+# 198 at 512 MiB; float32 slower with 4, 192 against 160; benchmarks/RESULTS.md).
+PREFETCH_AHEAD = {True: 4, False: 2}
 _NO_TUNE: dict = {}
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch, _lane_hist_count,
-                  _lane_hist_count_thr, _lane_hist_init_thr_ptx, _lane_hist_init_with,
-                  _lane_hist_read2)
+from .ptx import (_bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch,
+                  _lane_hist_add_value, _lane_hist_count, _lane_hist_init_thr_ptx,
+                  _lane_hist_init_with, _lane_hist_read2, _lane_thr_lookup, _lane_thr_value)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -147,9 +147,13 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
         bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
     if (FPARTS & 2) == 0:
         pass
-    elif LANE and (FPARTS & 1):
-        _lane_hist_count_thr(ul, table)
-        _lane_hist_count_thr(uh, table)
+    elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
+        tl_ = _lane_thr_lookup(ul)
+        th_ = _lane_thr_lookup(uh)
+        vl = _lane_thr_value(ul, tl_)
+        vh = _lane_thr_value(uh, th_)
+        _lane_hist_add_value(ul, vl, table)
+        _lane_hist_add_value(uh, vh, table)
     elif LANE:
         _lane_hist_count(ul, table)
         _lane_hist_count(uh, table)
@@ -183,8 +187,8 @@ def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8: tl.con
         cs6 += _tsum((u > TS6).to(tl.int32))
     if (FPARTS & 2) == 0:
         pass
-    elif LANE and (FPARTS & 1):
-        _lane_hist_count_thr(u, table)
+    elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
+        _lane_hist_add_value(u, _lane_thr_value(u, _lane_thr_lookup(u)), table)
     elif LANE:
         _lane_hist_count(u, table)
     else:

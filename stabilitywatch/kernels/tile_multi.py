@@ -19,8 +19,8 @@ from ..stats.layout import N_STATS
 from .launch import FastLaunch
 from .stats_multi import _ELT as _MULTI_ELT
 from .stats_tile import _careful_tiles, tile_shape
-from .stats_triton import (_emit_scalars, _interpreting, _sm_count, prefetch_tiles,
-                           tile_programs)
+from .stats_triton import (PREFETCH_AHEAD, _emit_scalars, _interpreting, _sm_count,
+                           prefetch_tiles, tile_programs)
 from .tile_fast import _fast_tiles
 from .tile_ops import HBINS, O_HIST
 
@@ -92,7 +92,8 @@ class TileManyLaunch:
         self.grid = len(progs) // 2
         words = dtype == torch.bfloat16 and all(f.data_ptr() % 4 == 0 for f in flats)
         self.consts = dict(ELT=_ELT[dtype], U=u, T=t, V=v, LANE=self.cuda, WORDS=words,
-                           PREF=prefetch_tiles(device.index, 2) if self.cuda else 0)
+                           PREF=prefetch_tiles(device.index, PREFETCH_AHEAD[words])
+                           if self.cuda else 0)
         # as for one tensor (stats_triton.launch_row_stats): a register cap for bf16
         self.opts = {"maxnreg": 96} if self.cuda and dtype == torch.bfloat16 else {}
 
