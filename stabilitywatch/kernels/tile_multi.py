@@ -66,11 +66,19 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
                   sem="relaxed")
 
 
+# Tiles per program in a multi-tensor launch (tile_programs). Each program zeroes and reads back
+# its 32 KiB lane histogram: with 8 tiles (32 KiB of float32) that was as much as its data.
+# GPT-2 small's weights on the H200 (session 9, benchmarks/RESULTS.md): float32 474 MiB 206.7
+# us with 8, 157.6 with 32, 153.6 with 64; bf16 237 MiB 123.0, 101.1, 108.3.
+TILES_PER_PROG = 32
+
+
 class TileManyLaunch:
     """One launch over the full tiles of several tensors of one dtype, kept: its tables hold
     addresses (no tensor references), valid while the tensors keep their storage."""
 
-    def __init__(self, flats: list, slots: list, device: torch.device):
+    def __init__(self, flats: list, slots: list, device: torch.device,
+                 per_prog: "int | None" = None):
         dtype = flats[0].dtype
         self.cuda = device.type == "cuda" and not _interpreting()
         u, t, v = self.shape = tile_shape(dtype.itemsize, not self.cuda)
@@ -79,9 +87,10 @@ class TileManyLaunch:
         table, progs = [], []
         for k, (f, s) in enumerate(zip(flats, slots)):
             tiles = f.numel() // tile
-            # ~8 tiles per program (the grid is shared: no tensor needs a program per SM),
-            # at most 4 per SM, and within the 16-bit histogram counts (tile_programs)
-            n = min(tiles, tile_programs(tiles, tile, 1, 4 * sms) if self.cuda else 4)
+            # ~TILES_PER_PROG tiles per program (the grid is shared: no tensor needs a program
+            # per SM), at most 4 per SM, and within the 16-bit histogram counts (tile_programs)
+            n = min(tiles, tile_programs(tiles, tile, 1, 4 * sms, per_prog or TILES_PER_PROG)
+                    if self.cuda else 4)
             table += (f.data_ptr(), tiles * tile, s, n)
             progs += [x for p in range(n) for x in (k, p)]
         pin = self.cuda
