@@ -29,6 +29,14 @@ def test_bench_stats_smoke(capsys):
     assert "| 2^12 | e4m3 |" in capsys.readouterr().out
 
 
+@pytest.mark.interpreter
+def test_bench_multi_smoke(capsys):
+    import bench_multi
+    assert bench_multi.main(["--smoke", "--per-prog", "8;32"]) == 0
+    out = capsys.readouterr().out
+    assert "| float32 |" in out and "| bfloat16 |" in out and out.count("\n| ") == 5
+
+
 def test_bench_demo_overhead_smoke(capsys):
     import bench_demo_overhead
     assert bench_demo_overhead.main(["--smoke"]) == 0
