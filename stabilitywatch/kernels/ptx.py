@@ -156,8 +156,6 @@ def _lane_hist_add_value_ptx() -> str:
 _LANE_HIST_ADD_VALUE = tl.constexpr(_lane_hist_add_value_ptx())
 
 
-
-
 def _lane_hist_count_ptx(shift: int) -> str:
     # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4.
     return """{

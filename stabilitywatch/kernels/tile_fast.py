@@ -148,10 +148,10 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
     if (FPARTS & 2) == 0:
         pass
     elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
-        tl_ = _lane_thr_lookup(ul)
-        th_ = _lane_thr_lookup(uh)
-        vl = _lane_thr_value(ul, tl_)
-        vh = _lane_thr_value(uh, th_)
+        thr_l = _lane_thr_lookup(ul)
+        thr_h = _lane_thr_lookup(uh)
+        vl = _lane_thr_value(ul, thr_l)
+        vh = _lane_thr_value(uh, thr_h)
         _lane_hist_add_value(ul, vl, table)
         _lane_hist_add_value(uh, vh, table)
     elif LANE:
