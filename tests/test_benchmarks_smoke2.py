@@ -69,6 +69,7 @@ def test_diagnose_record_smoke(capsys):
     assert "| Monitor._record |" in out and "| StatsBuffer.add |" in out
 
 
+@pytest.mark.interpreter  # its smoke size runs the kernels on CPU tensors
 def test_diagnose_launches_smoke(capsys):
     import diagnose_launches
     assert diagnose_launches.main(["--smoke"]) == 0

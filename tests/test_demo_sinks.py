@@ -32,6 +32,7 @@ def test_demo_catches_fault_at_step_and_module(demo):
 
 
 def test_demo_wandb_run_holds_metrics_and_alerts(demo):
+    pytest.importorskip("wandb")  # `make test` installs it; a bare GPU image may lack it
     files = wandb_reader.find_run_files(str(demo.run_dir))
     assert len(files) == 1
     recs = wandb_reader.read_finished_run(files[0])
