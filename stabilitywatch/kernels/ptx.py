@@ -119,13 +119,14 @@ def _lane_hist_init_thr_ptx(table: dict) -> str:
     {""" + rest)
 
 
-# %l = the table's address ($2) + 4 * lane: the same in every copy of a count, which ptxas then
+# %l = the table's address + 4 * lane: the same in every copy of a count, which ptxas then
 # computes once (an address built as ((bin * 32 + lane) * 4) + table took ~5 instructions per
 # element)
-_LANE_BASE = """
+def _lane_base(table: str) -> str:
+    return f"""
     mov.u32 %l, %laneid;
     shl.b32 %l, %l, 2;
-    add.u32 %l, %l, $2;"""
+    add.u32 %l, %l, {table};"""
 
 
 # The threshold counts in two steps, each over a whole tile: first every element's table word
@@ -142,31 +143,19 @@ _THR_LOOKUP = tl.constexpr("""{
     }""")
 
 
-def _lane_hist_add_value_ptx() -> str:
-    # adds $2 to bin $1 >> 23 of this lane's column
+def _lane_hist_count_ptx(shift: int, value: str = "1") -> str:
+    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4,
+    # adding `value`: 1 (the table's address in $2), or "$2" (a per-element value; table in $3)
     return """{
-    .reg .b32 %l;""" + _LANE_BASE.replace("$2", "$3") + """
-    shr.u32 $0, $1, 23;
+    .reg .b32 %l;""" + _lane_base("$2" if value == "1" else "$3") + f"""
+    shr.u32 $0, $1, {shift};
     shl.b32 $0, $0, 7;
     add.u32 $0, $0, %l;
-    red.shared.add.u32 [$0], $2;
-    }"""
+    red.shared.add.u32 [$0], {value};
+    }}"""
 
 
-_LANE_HIST_ADD_VALUE = tl.constexpr(_lane_hist_add_value_ptx())
-
-
-def _lane_hist_count_ptx(shift: int) -> str:
-    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4.
-    return """{
-    .reg .b32 %l;""" + _LANE_BASE + """
-    shr.u32 $0, $1, """ + str(shift) + """;
-    shl.b32 $0, $0, 7;
-    add.u32 $0, $0, %l;
-    red.shared.add.u32 [$0], 1;
-    }"""
-
-
+_LANE_HIST_ADD_VALUE = tl.constexpr(_lane_hist_count_ptx(23, "$2"))  # |x| bits, a given value
 _LANE_HIST_COUNT = tl.constexpr(_lane_hist_count_ptx(23))  # |x| bits: the exponent field
 _LANE_HIST_COUNT_BYTE = tl.constexpr(_lane_hist_count_ptx(0))  # a byte: its value
 
