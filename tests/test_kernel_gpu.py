@@ -238,7 +238,7 @@ def test_gpu_large_tensors_in_one_tile_launch(dname):
     small = gpu_values(4097, dt, seed=2)
     ts, slots = [clean, wide, small, big, tr], [3, 0, 6, 1, 7]
     rows = torch.stack([init_row_tensor("cuda") for _ in range(8)])
-    launches = dispatch.accumulate_many(ts, rows, slots)
+    launches = [lk for lk, _ in dispatch.accumulate_many(ts, rows, slots)]
     assert sum(isinstance(x, TileManyLaunch) for x in launches) == 1
     for t, s in zip(ts, slots):
         assert_rows_match(rows[s], reference_row(t), sum_rtol=1e-12, label=f"{dname} {t.shape}")
@@ -275,3 +275,38 @@ def test_kept_launch_plans_give_the_decided_rows(dname, scale):
             stats_triton.launch_row_stats(v, decided, sc, tune={})
             for row in kept:
                 assert _same_row(row.cpu(), decided.cpu(), n), (dname, scale, n, offset)
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+def test_gpu_add_many_plan_takes_new_addresses(dname):
+    # the taps' gradients come back at new addresses each step (set to None in between): the
+    # kept multi-tensor launches take them (stats/buffer._rebind, one table copy each) and give
+    # the rows that one add() per tensor gives
+    from stabilitywatch.stats.buffer import StatsBuffer
+    dt = DTYPES[dname]
+    sizes = (1, 4097, 3 * 2**20 + 77, 768 * 3072)
+
+    def make(step):
+        return [(gpu_values(n, dt, seed=100 * step + k), f"m{k}", "grad", 1.0)
+                for k, n in enumerate(sizes)]
+
+    one, many = StatsBuffer(), StatsBuffer()
+    keep, seen = None, []
+    for step in range(3):
+        items = make(step)  # the earlier steps' tensors stay alive: new addresses each step
+        seen.append(items)
+        for b in (one, many):
+            b.begin_step(step)
+        for t, m, r, s in items:
+            one.add(t, m, r, 5, scale=s, overwrite=True)
+        many.add_many(items, 5, overwrite=True)
+        plan = many._plans[(5, True)]
+        keep = keep or plan
+        assert plan is keep and plan.addrs == tuple(t.data_ptr() for t, _, _, _ in items)
+        assert step == 0 or plan.addrs != tuple(t.data_ptr() for t, _, _, _ in seen[-2])
+        for b in (one, many):
+            b.end_step()
+        f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
+        for i, key in enumerate(f1.keys):
+            assert _same_row(torch.from_numpy(f2.rows[i]), torch.from_numpy(f1.rows[i]),
+                             sizes[i]), (dname, step, key)

@@ -104,6 +104,37 @@ def test_add_many_repeats_its_launches_on_the_same_tensors():
             t.mul_(-2)
 
 
+def test_add_many_plan_takes_the_new_addresses_of_like_tensors():
+    # gradients set to None between steps come back as new tensors of the same shapes: the
+    # kept plan's launches take their addresses (step 1); a large tensor at an address the
+    # tile launch cannot read (not 16-byte aligned) makes a new plan (step 2); rows as add()'s
+    def make(seed, misaligned=False):
+        big = torch.randn(MULTI_MAX + 1 + 3 * misaligned, generator=torch.Generator().manual_seed(seed))
+        big = big[3:] if misaligned else big
+        ts = tensors(torch.float32, seed) + tensors(torch.bfloat16, seed + 1)
+        return [(t, f"m{i}", "grad", 1.0) for i, t in enumerate(ts)] + [(big, "big", "grad", 1.0)]
+
+    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    for step, items in enumerate((make(0), make(1), make(2, misaligned=True))):
+        for b in (one, many):
+            b.begin_step(step)
+        for t, m, r, s in items:
+            one.add(t, m, r, 5, scale=s)
+        many.add_many(items, 5)
+        plan = many._plans[(5, False)]
+        if step == 0:
+            first = plan
+        else:
+            assert (plan is first) == (step == 1)
+            assert plan.addrs == tuple(t.data_ptr() for t, _, _, _ in items)
+        for b in (one, many):
+            b.end_step()
+        f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
+        assert f1.keys == f2.keys
+        for i, key in enumerate(f1.keys):
+            assert_rows_match(f2.rows[i], f1.rows[i], label=f"step {step} {key}")
+
+
 def test_add_many_plan_is_not_taken_for_other_tensors():
     a = [torch.randn(100) for _ in range(3)]
     b = [torch.randn(100) for _ in range(3)]
@@ -162,7 +193,7 @@ def test_large_tensors_share_one_tile_launch(dname):
     assert not dispatch.tileable(plain[1:], 1.0, "triton")  # not 16-byte aligned
     assert not dispatch.tileable(torch.zeros(MULTI_MAX + 1).to(torch.float8_e4m3fn), 1.0, "triton")
     rows = torch.stack([init_row_tensor("cpu") for _ in range(8)])
-    launches = dispatch.accumulate_many(ts, rows, slots)
+    launches = [lk for lk, _ in dispatch.accumulate_many(ts, rows, slots)]
     assert sum(isinstance(x, TileManyLaunch) for x in launches) == 1
     for t, s in zip(ts, slots):
         assert_rows_match(rows[s], reference_row(t), label=f"{dname} {tuple(t.shape)}")

@@ -117,30 +117,30 @@ def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
     """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype for the
     small tensors (and the large ones' tails), one per dtype for the large tensors' full tiles.
     Every tensor must pass batchable() or tileable(); no host sync. Returns the launches
-    (stats_multi.ManyLaunch, tile_multi.TileManyLaunch), which run again on the same tensors
-    (same storage) without host work per tensor."""
+    (stats_multi.ManyLaunch, tile_multi.TileManyLaunch), each with the tensors it reads as
+    (index in ts, first element): they run again on the same tensors (same storage) without host
+    work per tensor, or take the new addresses of tensors like them (`rebind`)."""
     from .stats_multi import launch_many
     from .tile_multi import TileManyLaunch, full_tiles
     small: dict = {}
     large: dict = {}
-    for t, s in zip(ts, slots):
+    for i, (t, s) in enumerate(zip(ts, slots)):
         f = flat_view(t)
+        off = 0
         if f.numel() > MULTI_MAX:
-            n_full = full_tiles(f)
-            large.setdefault(t.dtype, ([], []))
-            large[t.dtype][0].append(f)
-            large[t.dtype][1].append(s)
-            f = f[n_full:]
+            off = full_tiles(f)
+            for acc, v in zip(large.setdefault(t.dtype, ([], [], [])), (f, s, (i, 0))):
+                acc.append(v)
+            f = f[off:]
             if f.numel() == 0:
                 continue
-        small.setdefault(t.dtype, ([], []))
-        small[t.dtype][0].append(f)
-        small[t.dtype][1].append(s)
-    launches = [launch_many(flats, rows, ss) for flats, ss in small.values()]
-    for flats, ss in large.values():
+        for acc, v in zip(small.setdefault(t.dtype, ([], [], [])), (f, s, (i, off))):
+            acc.append(v)
+    launches = [(launch_many(flats, rows, ss), src) for flats, ss, src in small.values()]
+    for flats, ss, src in large.values():
         launch = TileManyLaunch(flats, ss, rows.device)
         launch.run(rows)
-        launches.append(launch)
+        launches.append((launch, src))
     return launches
 
 

@@ -43,6 +43,12 @@ def _multi_row_kernel(table_ptr, rows_ptr, FP8: tl.constexpr, ELT: tl.constexpr,
                  FP8, BLOCK)
 
 
+def _device_table(vals: list, device: torch.device, pin: bool) -> torch.Tensor:
+    # int64 values on the device without a sync: the pinned buffer is kept by the caching host
+    # allocator until the copy has run, and the copy is ordered before the launches that read it
+    return torch.tensor(vals, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+
+
 class ManyLaunch:
     """One multi-tensor launch, kept: its table holds addresses (no tensor references), valid
     while the same tensors keep their storage; `run(rows)` launches it again."""
@@ -50,14 +56,20 @@ class ManyLaunch:
     def __init__(self, flats: list, slots: list, device: torch.device):
         dtype = flats[0].dtype
         self.cuda = device.type == "cuda" and not _interpreting()
-        vals = []
+        self.device = device
+        self.vals = []
         for f, s in zip(flats, slots):
-            vals += (f.data_ptr(), f.numel(), s)
-        # the pinned buffer is kept by the caching host allocator until the copy has run
-        self.table = torch.tensor(vals, dtype=torch.int64, pin_memory=self.cuda).to(
-            device, non_blocking=True)
+            self.vals += (f.data_ptr(), f.numel(), s)
+        self.table = _device_table(self.vals, device, self.cuda)
         self.grid = (len(flats), max(1, min(32, -(-max(f.numel() for f in flats) // _PER_PROGRAM))))
         self.consts = dict(FP8=_FP8_CODE.get(dtype, 0), ELT=_ELT[dtype], BLOCK=_BLOCK)
+
+    def rebind(self, addrs: list) -> bool:
+        """The same launch on tensors like the first ones (same sizes, in the same order) at
+        the addresses addrs: one table copy to the device, no host work per tensor."""
+        self.vals[0::3] = addrs
+        self.table = _device_table(self.vals, self.device, self.cuda)
+        return True
 
     def run(self, rows: torch.Tensor) -> None:
         if self.cuda:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..stats.layout import N_STATS
 from .launch import FastLaunch
-from .stats_multi import _ELT as _MULTI_ELT
+from .stats_multi import _ELT as _MULTI_ELT, _device_table
 from .stats_tile import _careful_tiles, tile_shape
 from .stats_triton import (PREFETCH_AHEAD, _emit_scalars, _interpreting, _sm_count,
                            prefetch_tiles, tile_programs)
@@ -84,6 +84,7 @@ class TileManyLaunch:
         u, t, v = self.shape = tile_shape(dtype.itemsize, not self.cuda)
         tile = u * t * v
         sms = _sm_count(device.index) if self.cuda else 1
+        self.device = device
         table, progs = [], []
         for k, (f, s) in enumerate(zip(flats, slots)):
             tiles = f.numel() // tile
@@ -93,10 +94,9 @@ class TileManyLaunch:
                     if self.cuda else 4)
             table += (f.data_ptr(), tiles * tile, s, n)
             progs += [x for p in range(n) for x in (k, p)]
-        pin = self.cuda
-        self.table = torch.tensor(table, dtype=torch.int64, pin_memory=pin).to(
-            device, non_blocking=True)
-        self.progs = torch.tensor(progs, dtype=torch.int32, pin_memory=pin).to(
+        self.vals = table
+        self.table = _device_table(table, device, self.cuda)
+        self.progs = torch.tensor(progs, dtype=torch.int32, pin_memory=self.cuda).to(
             device, non_blocking=True)
         self.grid = len(progs) // 2
         words = dtype == torch.bfloat16 and all(f.data_ptr() % 4 == 0 for f in flats)
@@ -105,6 +105,15 @@ class TileManyLaunch:
                            if self.cuda else 0)
         # as for one tensor (stats_triton.launch_row_stats): a register cap for bf16
         self.opts = {"maxnreg": 96} if self.cuda and dtype == torch.bfloat16 else {}
+
+    def rebind(self, addrs: list) -> bool:
+        """As stats_multi.ManyLaunch.rebind; False (nothing changed) when an address is not
+        16-byte aligned (dispatch.tileable), which the vector loads need."""
+        if any(a % 16 for a in addrs):
+            return False
+        self.vals[0::4] = addrs
+        self.table = _device_table(self.vals, self.device, self.cuda)
+        return True
 
     def run(self, rows: torch.Tensor) -> None:
         if self.cuda:

@@ -126,26 +126,38 @@ def _static(rows: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _ManyPlan:
     """What add_many did for one list of tensors, to do again without host work per tensor
-    while the same tensors (same storage, same rows) come back: the taps over parameters,
-    gradients and optimizer state pass the same list every sampled step. No tensor references
-    (they would keep freed gradients alive): addresses only, checked on each call."""
-    sig: tuple
+    while tensors of the same kinds (shape, dtype, device, rows) come back: the taps over
+    parameters, gradients and optimizer state pass such a list every sampled step. Gradients
+    set to None between steps come back at other addresses: the launches then only take the
+    new addresses (`rebind`). No tensor references (they would keep freed gradients alive)."""
+    shape: tuple
+    addrs: tuple
     slots: list[int]
-    launches: list                    # (device, stats_multi.ManyLaunch)
+    launches: list                    # (device, kept launch, [(item index, element offset)])
     singles: list[tuple[int, int]]    # (item index, slot): their own launch each
     span: tuple[int, int]             # the rows the launches write lie in [lo, hi)
 
 
-def _many_sig(items: list) -> Optional[tuple]:
-    # None: not cacheable (a tensor-valued scale: its value is on the device, and reading it
-    # would sync)
+def _many_sig(items: list) -> Optional[tuple[tuple, tuple]]:
+    # (the kinds of the items, their addresses); None: not cacheable (a tensor-valued scale:
+    # its value is on the device, and reading it would sync)
     if any(isinstance(s, torch.Tensor) for _, _, _, s in items):
         return None
     try:
-        return tuple((t.data_ptr(), t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
-                     for t, m, r, s in items)
+        return (tuple((t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
+                      for t, m, r, s in items),
+                tuple(t.data_ptr() for t, _, _, _ in items))
     except (TypeError, RuntimeError, ValueError):
         return None
+
+
+def _rebind(plan: _ManyPlan, items: list, addrs: tuple) -> bool:
+    # the plan's launches on the items' new addresses; False: a launch cannot take them
+    for _, launch, src in plan.launches:
+        if not launch.rebind([addrs[k] + off * items[k][0].element_size() for k, off in src]):
+            return False
+    plan.addrs = addrs
+    return True
 
 
 @dataclass
@@ -196,12 +208,13 @@ class StatsBuffer:
         The next call with the same tensors in the same order repeats those launches."""
         sig = _many_sig(items)
         plan = self._plans.get((phase, overwrite))
-        if (sig is not None and plan is not None and plan.sig == sig
-                and not any(s in self._touched for s in plan.slots)):
+        if (sig is not None and plan is not None and plan.shape == sig[0]
+                and not any(s in self._touched for s in plan.slots)
+                and (plan.addrs == sig[1] or _rebind(plan, items, sig[1]))):
             n = len(self._touched)
             for k, slot in enumerate(plan.slots):
                 self._touched[slot] = (phase, n + k)
-            for device, launch in plan.launches:
+            for device, launch, _ in plan.launches:
                 self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
             for k, slot in plan.singles:
@@ -223,21 +236,21 @@ class StatsBuffer:
             if batchable(t, scale, self.backend) or tileable(t, scale, self.backend):
                 if not viewable(t):  # the table would hold a temporary copy's address
                     sig = None
-                groups.setdefault(t.device, ([], []))
-                ts, ss = groups[t.device]
+                ts, ss, ks = groups.setdefault(t.device, ([], [], []))
                 ts.append(t)
                 ss.append(slot)
+                ks.append(k)
             else:
                 singles.append((k, slot))
                 accumulate(t, row, scale, self.backend)
         launches = []
-        for device, (ts, ss) in groups.items():
+        for device, (ts, ss, ks) in groups.items():
             # after every _prepare: rows may have grown (a new tensor) while preparing
-            launches += [(device, lk) for lk in accumulate_many(ts, self._dev[device].rows, ss)
-                         if lk is not None]
+            launches += [(device, lk, [(ks[i], off) for i, off in src]) for lk, src
+                         in accumulate_many(ts, self._dev[device].rows, ss)]
         if sig is not None and len(set(slots)) == len(slots):
             span = (min(slots), max(slots) + 1) if slots else (0, 0)
-            self._plans[(phase, overwrite)] = _ManyPlan(sig, slots, launches, singles, span)
+            self._plans[(phase, overwrite)] = _ManyPlan(*sig, slots, launches, singles, span)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
