@@ -72,6 +72,34 @@ def test_buffer_add_many_matches_one_add_per_tensor():
         assert_rows_match(f2.rows[i], f1.rows[i], label=str(key))
 
 
+def _one_step_both_ways(one, many, items, step, phase, check):
+    # one step: add() per item into `one`, add_many() into `many`, check(), then equal rows
+    for b in (one, many):
+        b.begin_step(step)
+    for t, m, r, s in items:
+        one.add(t, m, r, phase, scale=s)
+    many.add_many(items, phase)
+    check()
+    for b in (one, many):
+        b.end_step()
+    f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
+    assert f1.keys == f2.keys
+    for i, key in enumerate(f1.keys):
+        assert_rows_match(f2.rows[i], f1.rows[i], label=f"step {step} {key}")
+
+
+_PLAN = {}
+
+
+def _kept(many, step):
+    if step == 0:
+        _PLAN["first"] = many._plans[(1, False)]
+    elif step == 1:
+        assert many._plans[(1, False)] is _PLAN["first"]   # kept
+    else:
+        assert (1, False) not in many._plans or many._plans[(1, False)] is _PLAN["first"]
+
+
 def test_add_many_repeats_its_launches_on_the_same_tensors():
     # the second step takes the kept plan (no host work per tensor): its rows must follow the
     # tensors' new values, like one add() per tensor; a strided tensor (copied to be read) and
@@ -83,23 +111,7 @@ def test_add_many_repeats_its_launches_on_the_same_tensors():
     for step in range(3):
         if step == 2:
             items = items + [(torch.randn(64, 80)[:, ::3], "s", "weight", 1.0)]
-        for b in (one, many):
-            b.begin_step(step)
-        for t, m, r, s in items:
-            one.add(t, m, r, 1, scale=s)
-        many.add_many(items, 1)
-        if step == 0:
-            plan = many._plans[(1, False)]
-        elif step == 1:
-            assert many._plans[(1, False)] is plan   # kept
-        else:
-            assert (1, False) not in many._plans or many._plans[(1, False)] is plan
-        for b in (one, many):
-            b.end_step()
-        f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
-        assert f1.keys == f2.keys
-        for i, key in enumerate(f1.keys):
-            assert_rows_match(f2.rows[i], f1.rows[i], label=f"step {step} {key}")
+        _one_step_both_ways(one, many, items, step, 1, check=lambda: _kept(many, step))
         for t in ts + [big]:  # new values for the next step, same storage
             t.mul_(-2)
 
@@ -115,24 +127,18 @@ def test_add_many_plan_takes_the_new_addresses_of_like_tensors():
         return [(t, f"m{i}", "grad", 1.0) for i, t in enumerate(ts)] + [(big, "big", "grad", 1.0)]
 
     one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    first = None
     for step, items in enumerate((make(0), make(1), make(2, misaligned=True))):
-        for b in (one, many):
-            b.begin_step(step)
-        for t, m, r, s in items:
-            one.add(t, m, r, 5, scale=s)
-        many.add_many(items, 5)
-        plan = many._plans[(5, False)]
-        if step == 0:
-            first = plan
-        else:
-            assert (plan is first) == (step == 1)
-            assert plan.addrs == tuple(t.data_ptr() for t, _, _, _ in items)
-        for b in (one, many):
-            b.end_step()
-        f1, f2 = one.poll(block=True)[0], many.poll(block=True)[0]
-        assert f1.keys == f2.keys
-        for i, key in enumerate(f1.keys):
-            assert_rows_match(f2.rows[i], f1.rows[i], label=f"step {step} {key}")
+        def check():
+            nonlocal first
+            plan = many._plans[(5, False)]
+            if step == 0:
+                first = plan
+            else:
+                assert (plan is first) == (step == 1)
+                assert plan.addrs == tuple(t.data_ptr() for t, _, _, _ in items)
+
+        _one_step_both_ways(one, many, items, step, 5, check)
 
 
 def test_add_many_plan_is_not_taken_for_other_tensors():
