@@ -4,8 +4,8 @@ memory traffic (values made in registers), to tell which piece bounds the kernel
     python benchmarks/diagnose_atoms.py
 
 - count: one `red.shared.add` per element into the lane histogram (ptx._lane_hist_count);
-- count+table: the same with the threshold table lookup (ptx._lane_thr_lookup, _lane_thr_value,
-  _lane_hist_add_value);
+- count+table: the same with the threshold table lookup (ptx._lane_thr_slot, _thr_value,
+  _lane_hist_add_at: one ld.shared and one red.shared per element);
 - alu: the same value arithmetic and a register sum instead of the count.
 Elements per clock per SM use the SM clock nvidia-smi reports (or 1.98 GHz).
 """
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from stabilitywatch.kernels.ptx import (_lane_hist_add_value, _lane_hist_count,
-                                        _lane_hist_init_with, _lane_hist_read, _lane_thr_lookup,
-                                        _lane_thr_value)
+from stabilitywatch.kernels.ptx import (_THR_SLOT_HI, _lane_col, _lane_hist_add_at,
+                                        _lane_hist_count, _lane_hist_init_with, _lane_hist_read,
+                                        _lane_thr_slot, _thr_value)
 from stabilitywatch.kernels.tile_fast import _INIT_THR
 
 
@@ -28,6 +28,7 @@ from stabilitywatch.kernels.tile_fast import _INIT_THR
 def _probe(out_ptr, iters, MODE: tl.constexpr, N: tl.constexpr):
     pid = tl.program_id(0)
     table = _lane_hist_init_with(pid * 0, _INIT_THR)
+    col = _lane_col(pid * 0)
     tl.debug_barrier()
     k = tl.arange(0, N)
     x = (k * 40503 + pid * 977).to(tl.uint32)
@@ -38,8 +39,8 @@ def _probe(out_ptr, iters, MODE: tl.constexpr, N: tl.constexpr):
         if MODE == 0:
             _lane_hist_count(u.to(tl.int32), table)
         elif MODE == 1:
-            v = u.to(tl.int32)
-            _lane_hist_add_value(v, _lane_thr_value(v, _lane_thr_lookup(v)), table)
+            addr, t = _lane_thr_slot(u.to(tl.int32), col, _THR_SLOT_HI)
+            _lane_hist_add_at(addr, _thr_value(u.to(tl.float32, bitcast=True), t))
         else:
             acc += u
     tl.debug_barrier()

@@ -56,6 +56,8 @@ TRIGGERS = {
     "f32_subnormal": [1e-40],
     "e5m2_fp16_max_bin": [60000.0, -57344.0, 40000.0],
     "square_overflows_fp32": [2.0 ** 61],
+    # exponent fields 192..254: on the GPU the histogram rows that hold the threshold table
+    "huge": [2.0 ** 98, -(2.0 ** 70), 2.0 ** 127],
 }
 
 

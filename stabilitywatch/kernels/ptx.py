@@ -7,7 +7,8 @@ take tl.histogram there instead).
   one per lane of a warp, shared by the warps of a program. One `red.shared.add` per element: the 32 lanes of a
   warp always write 32 different banks, so nothing serializes, whatever the data. (tl.histogram
   keeps one shared counter per bin: the lanes of a warp collide on the few bins a tensor's
-  exponents fall in.) 32 KiB of static shared memory per program.
+  exponents fall in.) 32 KiB of static shared memory per program; 43.25 KiB with the fast
+  pass's threshold table (THR_ROWS below).
 """
 from __future__ import annotations
 
@@ -65,58 +66,60 @@ def _ballot_hist64(sel):
 
 LANE_HIST_BINS = tl.constexpr(256)
 
-# Declares the table, zeroes it with the program's threads and returns its address. Called on
-# a scalar, so that it appears once in the kernel whatever layout Triton picks for tensors (a
-# second copy of the declaration does not assemble). The caller puts a barrier between this and
-# the first count.
-_LANE_HIST_INIT = tl.constexpr("""
-    .shared .align 16 .b32 sw_lane_hist[8192];
-    {
+# The threshold table inside the lane histogram's allocation: the word of (exponent field f,
+# lane L) lies THR_ROWS rows (of 32 words, one per lane) after the histogram word of (f, L), so
+# that one address serves both the table load and the count (one LOP3 per element, and a SHF
+# for float32 bits or the high bf16 of a word, where the table's own address and the count's
+# took three instructions). The threshold fields (102..135) put their words in histogram rows
+# 192..255: the bins of |x| >= 2^65, Inf and NaN, which no program that keeps its fast pass
+# holds. A count there changes the row from its initial words, and the program then runs the
+# careful pass (tile_fast._top_rows). The rows past 255 only take the loads of fields 166..255,
+# which have no threshold: nothing reads them.
+THR_ROWS = tl.constexpr(90)
+TOP_ROW = tl.constexpr(192)
+
+
+def _lane_hist_init_ptx(table: dict, rows: int) -> str:
+    # Declares the histogram (rows of 32 words), writes zeros and the threshold table (the words
+    # of row f + THR_ROWS hold field f's threshold as float32 bits, counted when |x| >= it) with
+    # the program's threads, and returns its address (the same in every thread). Called on a
+    # scalar, so that it appears once in the kernel whatever layout Triton picks for tensors (a
+    # second copy of the declaration does not assemble). The caller puts a barrier between this
+    # and the first count.
+    at = {f + THR_ROWS.value: t for f, t in table.items()}
+    assert all(TOP_ROW.value <= r < 256 for r in at) and (not at or rows >= 256 + THR_ROWS.value)
+    chain = "".join(f"""
+    setp.eq.u32 %p, %r, {r};
+    selp.u32 %v, {t}, %v, %p;""" for r, t in sorted(at.items()))
+    return f"""
+    .shared .align 16 .b32 sw_lane_hist[{rows * 32}];
+    {{
     .reg .pred %p;
-    .reg .b32 %i, %n, %a, %b;
+    .reg .b32 %i, %n, %a, %b, %r, %v;
     mov.u32 %b, sw_lane_hist;
     mov.u32 %i, %tid.x;
     mov.u32 %n, %ntid.x;
     sw_lane_hist_zero:
     setp.ge.u32 %p, %i, 2048;
     @%p bra sw_lane_hist_done;
+    shr.u32 %r, %i, 3;
+    mov.u32 %v, 0;{chain}
     shl.b32 %a, %i, 4;
     add.u32 %a, %a, %b;
-    st.shared.v4.u32 [%a], {0, 0, 0, 0};
+    st.shared.v4.u32 [%a], {{%v, %v, %v, %v}};
     add.u32 %i, %i, %n;
     bra sw_lane_hist_zero;
     sw_lane_hist_done:
     mov.u32 $0, %b;
-    }""")
+    }}"""
+
+
+_LANE_HIST_INIT = tl.constexpr(_lane_hist_init_ptx({}, 256))  # 32 KiB
+
 
 def _lane_hist_init_thr_ptx(table: dict) -> str:
-    # _LANE_HIST_INIT, plus a 256-word table in shared memory: word f is the threshold (|x| bits,
-    # counted when u >= it) of exponent field f, or 0xFFFFFFFF (never) for fields without one.
-    # The program's threads write words tid, tid + ntid, ... (a program has fewer than 256).
-    chain = "".join(f"""
-    setp.eq.u32 %p, %i, {f};
-    selp.u32 %v, {t}, %v, %p;""" for f, t in sorted(table.items()))
-    init = _LANE_HIST_INIT.value
-    head, rest = init.split("{", 1)
-    return (head + """.shared .align 16 .b32 sw_thr_table[256];
-    {
-    .reg .pred %p;
-    .reg .b32 %i, %v, %a, %n;
-    mov.u32 %i, %tid.x;
-    mov.u32 %n, %ntid.x;
-    sw_thr_next:
-    setp.ge.u32 %p, %i, 256;
-    @%p bra sw_thr_done;
-    mov.u32 %a, sw_thr_table;
-    shl.b32 %v, %i, 2;
-    add.u32 %a, %a, %v;
-    mov.u32 %v, 0xFFFFFFFF;""" + chain + """
-    st.shared.u32 [%a], %v;
-    add.u32 %i, %i, %n;
-    bra sw_thr_next;
-    sw_thr_done:
-    }
-    {""" + rest)
+    # with the threshold table: 346 rows, 43.25 KiB
+    return _lane_hist_init_ptx(table, 256 + THR_ROWS.value)
 
 
 # %l = the table's address + 4 * lane: the same in every copy of a count, which ptxas then
@@ -129,33 +132,47 @@ def _lane_base(table: str) -> str:
     add.u32 %l, %l, {table};"""
 
 
-# The threshold counts in two steps, each over a whole tile: first every element's table word
-# (one ld.shared each), then every element's count. In one asm block per element (load,
-# compare, atomic) ptxas kept each load behind the previous element's atomic (both touch
-# shared memory), a chain of load latencies through the tile.
-_THR_LOOKUP = tl.constexpr("""{
-    .reg .b32 %a, %t;
-    mov.u32 %a, sw_thr_table;
-    shr.u32 %t, $1, 23;
-    shl.b32 %t, %t, 2;
-    add.u32 %a, %a, %t;
-    ld.shared.u32 $0, [%a];
+# The threshold counts in two steps, each over a whole tile: first every element's slot (its
+# histogram word's address and its table word, one ld.shared), then every element's count. In
+# one asm block per element (load, compare, atomic) ptxas kept each load behind the previous
+# element's atomic (both touch shared memory), a chain of load latencies through the tile.
+def _lane_thr_slot_ptx(shift: int) -> str:
+    # $0: the address of this lane's histogram word for the exponent field in bits 7..14 of
+    # $2 >> shift (16: float32 bits, or the high bf16 of a word; 0: the low bf16); $1: the
+    # field's threshold word. $3: 4 * %laneid (_lane_col: read once, not in every copy of the
+    # asm, which ptxas did not merge across the two-tile loop's branch). The sign bit falls
+    # outside the mask; one lop3 masks the field and adds the lane's column (bits 2..6).
+    src = "%t" if shift else "$2"
+    return ("""{
+    .reg .b32 %l, %t;""" + (f"""
+    shr.u32 %t, $2, {shift};""" if shift else "") + f"""
+    lop3.b32 $0, {src}, 0x7F80, $3, 0xEA;
+    mov.u32 %l, sw_lane_hist;
+    add.u32 $0, $0, %l;
+    ld.shared.u32 $1, [$0+{THR_ROWS.value * 128}];
+    }}""")
+
+
+_THR_SLOT_LO = tl.constexpr(_lane_thr_slot_ptx(0))
+_THR_SLOT_HI = tl.constexpr(_lane_thr_slot_ptx(16))
+_LANE_HIST_ADD_AT = tl.constexpr("""{
+    red.shared.add.u32 [$1], $2;
+    mov.u32 $0, 0;
     }""")
 
 
-def _lane_hist_count_ptx(shift: int, value: str = "1") -> str:
-    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4,
-    # adding `value`: 1 (the table's address in $2), or "$2" (a per-element value; table in $3)
+def _lane_hist_count_ptx(shift: int) -> str:
+    # One count: bin = $1 >> shift (0..255), word bin * 32 + lane, at table + bin * 128 + lane * 4
+    # (the table's address in $2)
     return """{
-    .reg .b32 %l;""" + _lane_base("$2" if value == "1" else "$3") + f"""
+    .reg .b32 %l;""" + _lane_base("$2") + f"""
     shr.u32 $0, $1, {shift};
     shl.b32 $0, $0, 7;
     add.u32 $0, $0, %l;
-    red.shared.add.u32 [$0], {value};
+    red.shared.add.u32 [$0], 1;
     }}"""
 
 
-_LANE_HIST_ADD_VALUE = tl.constexpr(_lane_hist_count_ptx(23, "$2"))  # |x| bits, a given value
 _LANE_HIST_COUNT = tl.constexpr(_lane_hist_count_ptx(23))  # |x| bits: the exponent field
 _LANE_HIST_COUNT_BYTE = tl.constexpr(_lane_hist_count_ptx(0))  # a byte: its value
 
@@ -217,27 +234,37 @@ def _lane_hist_add(u, table, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lane_thr_lookup(u):
-    # u: |x| bit patterns; the threshold table's word for each one's exponent field (the table
-    # is found by name: tile_fast's init writes it; constant after that barrier)
-    return tl.inline_asm_elementwise(asm=_THR_LOOKUP, constraints="=r,r", args=[u],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+def _lane_col(zero):
+    # 4 * %laneid, from a scalar 0
+    return tl.inline_asm_elementwise(asm="mov.u32 $0, %laneid; shl.b32 $0, $0, 2;",
+                                     constraints="=r,r", args=[zero], dtype=tl.int32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
-def _lane_thr_value(u, t):
-    # the count to add for |x| bits u and its field's table word t: 1 | (u >= t) << 16 (the low
-    # half counts the values of the field, the high half those at or above its threshold).
-    # Packed 16-bit counts: at most 65535 values per lane and program (stats_triton.tile_programs)
-    return tl.where(u.to(tl.uint32, bitcast=True) >= t.to(tl.uint32, bitcast=True), 65537, 1)
+def _lane_thr_slot(bits, col, ASM: tl.constexpr):
+    # (histogram word address, threshold word) per element of bits (_THR_SLOT_LO / _HI); col:
+    # _lane_col. The table is found by name: tile_fast's init writes it, constant after that
+    # barrier
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r,r",
+                                     args=[bits, col + tl.zeros_like(bits)],
+                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
-def _lane_hist_add_value(u, v, table):
-    # adds v (int32) to the bin of each |x| bit pattern u (as _lane_hist_count)
-    return tl.inline_asm_elementwise(asm=_LANE_HIST_ADD_VALUE, constraints="=r,r,r,r",
-                                     args=[u, v, table + tl.zeros_like(u)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+def _thr_value(x, t):
+    # the count to add for a value x (float32) whose field's table word is t: 1 | (|x| >= t) << 16
+    # (the low half counts the values of the field, the high half those at or above its
+    # threshold; |x| is an operand modifier of the compare, no instruction of its own). Packed
+    # 16-bit counts: at most 65535 values per lane and program (stats_triton.tile_programs)
+    return tl.where(tl.abs(x) >= t.to(tl.float32, bitcast=True), 65537, 1)
+
+
+@triton.jit
+def _lane_hist_add_at(addr, v):
+    # adds v (int32) to the histogram words at addr (from _lane_thr_slot)
+    return tl.inline_asm_elementwise(asm=_LANE_HIST_ADD_AT, constraints="=r,r,r",
+                                     args=[addr, v], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -304,6 +331,14 @@ def _bf16x2_min(a, b):
     # the two bf16 halves of a and b at once (one HMNMX2 where two FMNMX took the unpacked
     # values); also a tl.reduce combine function
     return tl.inline_asm_elementwise(asm="min.bf16x2 $0, $1, $2;", constraints="=r,r,r",
+                                     args=[a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _s16x2_min(a, b):
+    # the two signed 16-bit halves of a and b at once (sm_90: one VIMNMX.S16x2, or the
+    # three-input VIMNMX3 that ptxas forms); also a tl.reduce combine function
+    return tl.inline_asm_elementwise(asm="min.s16x2 $0, $1, $2;", constraints="=r,r,r",
                                      args=[a, b], dtype=tl.int32, is_pure=True, pack=1)
 
 

@@ -347,7 +347,7 @@ class _RowPlan:
                 flat.data_ptr() % 4 == 0, has_ptr, scaled, fp8, shape, tune.get("sum32", False),
                 tune.get("parts", 3), tune.get("ballot", cuda), tune.get("fast", 2 if cuda else 1),
                 tune.get("words", True), bytes_,
-                tune.get("maxnreg", 96 if cuda and fp8 == 3 else None), tune.get("fparts", 3),
+                tune.get("maxnreg", register_cap(fp8 == 3) if cuda else None), tune.get("fparts", 3),
                 pref)
             self.tile = (tile_launch.bind(consts, warps, **opts) if direct
                          else _triton_launch(_tile_stats_kernel, consts, warps, opts))
@@ -384,6 +384,13 @@ FP8_BYTES_MIN = 1 << 20
 # took 4 once its table loads were grouped ahead of its atomics (session 9: 191-192 us against
 # 198 at 512 MiB; float32 slower with 4, 192 against 160; benchmarks/RESULTS.md).
 PREFETCH_AHEAD = {True: 4, False: 2}
+
+
+def register_cap(bf16_words: bool) -> int:
+    """The tile kernels' register cap: at most 128 registers (4 programs of 4 warps per SM, the
+    grid tile_programs sizes), 96 for bf16 (more programs' loads in flight). Uncapped, the H200's
+    ptxas gave the float32 kernel 145 (3 programs per SM: the fourth wave ran alone, +26 %)."""
+    return 96 if bf16_words else 128
 _NO_TUNE: dict = {}
 
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import (_bf16x2_max, _bf16x2_min, _halves_sum, _l2_prefetch,
-                  _lane_hist_add_value, _lane_hist_count, _lane_hist_init_thr_ptx,
-                  _lane_hist_init_with, _lane_hist_read2, _lane_thr_lookup, _lane_thr_value)
+from .ptx import (THR_ROWS, TOP_ROW, _THR_SLOT_HI, _THR_SLOT_LO, _bf16x2_max, _bf16x2_min,
+                  _s16x2_min,
+                  _halves_sum, _l2_prefetch, _lane_hist_add_at, _lane_hist_count,
+                  _lane_col, _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2,
+                  _lane_thr_slot,
+                  _thr_value)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
@@ -74,6 +77,19 @@ def _thr_key(u, N: tl.constexpr):
 
 
 @triton.jit
+def _top_rows(h, ab, f):
+    # The lane histogram's rows TOP_ROW.. hold the threshold table (ptx.THR_ROWS): their fields'
+    # counts become 1 where a count changed a row's total from its initial words (a value the
+    # fast pass does not keep), else 0; no row of theirs has a threshold count
+    init = (tl.where(f == F6 + THR_ROWS, C6, 0) + tl.where(f == F5 + THR_ROWS, C5, 0)
+            + tl.where(f == F5S + THR_ROWS, C5S, 0) + tl.where(f == F4 + THR_ROWS, C4, 0)
+            + tl.where(f == F4S + THR_ROWS, C4S, 0) + tl.where(f == F4M + THR_ROWS, C4M, 0))
+    moved = ab.to(tl.int64) * 65536 + h.to(tl.int64) - 32 * init.to(tl.int64)
+    top = f >= TOP_ROW
+    return tl.where(top, (moved != 0).to(tl.int32), h), tl.where(top, 0, ab)
+
+
+@triton.jit
 def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
     return (tl.minimum(a0, b0), tl.maximum(a1, b1), tl.minimum(a2, b2), a3 + b3, a4 + b4,
             a5 + b5, a6 + b6, a7 + b7)
@@ -112,7 +128,7 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
 
 
 @triton.jit
-def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl.constexpr,
+def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, col, U: tl.constexpr, T: tl.constexpr,
                 V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
                 FPARTS: tl.constexpr):
     # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators;
@@ -131,8 +147,12 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
     else:
         mn = tl.minimum(mn, tl.minimum(_tmin(xl), _tmin(xh)))
         mx = tl.maximum(mx, tl.maximum(_tmax(xl), _tmax(xh)))
-    um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
-                                     _tmin((uh - 1).to(tl.uint32, bitcast=True))))
+    if LANE:  # both halves at once: _words_um1
+        k = (w & 0x7FFF7FFF) + 0x7FFF7FFF
+        um1 = _s16x2_min(um1, tl.reduce(tl.reduce(k, 2, _s16x2_min), 0, _s16x2_min))
+    else:
+        um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
+                                         _tmin((uh - 1).to(tl.uint32, bitcast=True))))
     if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
         s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
         s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
@@ -148,12 +168,12 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
     if (FPARTS & 2) == 0:
         pass
     elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
-        thr_l = _lane_thr_lookup(ul)
-        thr_h = _lane_thr_lookup(uh)
-        vl = _lane_thr_value(ul, thr_l)
-        vh = _lane_thr_value(uh, thr_h)
-        _lane_hist_add_value(ul, vl, table)
-        _lane_hist_add_value(uh, vh, table)
+        al, tlo = _lane_thr_slot(w, col, _THR_SLOT_LO)
+        ah, thi = _lane_thr_slot(w, col, _THR_SLOT_HI)
+        vl = _thr_value(xl, tlo)
+        vh = _thr_value(xh, thi)
+        _lane_hist_add_at(al, vl)
+        _lane_hist_add_at(ah, vh)
     elif LANE:
         _lane_hist_count(ul, table)
         _lane_hist_count(uh, table)
@@ -161,6 +181,18 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, U: tl.constexpr, T: tl
         h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
         h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
     return mn, mx, um1, s1, s2, bhi, h2
+
+
+@triton.jit
+def _words_um1(p):
+    # The words' running min of |x| bits - 1 (zeros wrapping to the top), kept per bf16 half:
+    # for a half v (15 bits, sign masked off), v + 0x7FFF stays below 2^16 (no carry into the
+    # other half) and, read as a signed 16-bit number, orders like v - 1 with 0 above all (bit 15
+    # set from v >= 1 on: -32768 + v - 1). Back to float32 bits: (m + 1) << 16, less 1.
+    lo = (p & 0xFFFF) ^ 0x8000
+    hi = ((p >> 16) & 0xFFFF) ^ 0x8000
+    m = tl.minimum(lo, hi)
+    return tl.where(m == 0xFFFF, -1, ((m + 1) << 16) - 1).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -172,7 +204,7 @@ def _words_unpair(p, LARGER: tl.constexpr):
 
 
 @triton.jit
-def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8: tl.constexpr,
+def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8: tl.constexpr,
                  U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr,
                  LANE: tl.constexpr, FPARTS: tl.constexpr):
     # one tile of float32 / fp16 / bf16 / fp8 values into the fast pass's accumulators
@@ -188,7 +220,8 @@ def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8: tl.con
     if (FPARTS & 2) == 0:
         pass
     elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
-        _lane_hist_add_value(u, _lane_thr_value(u, _lane_thr_lookup(u)), table)
+        addr, t = _lane_thr_slot(bits, col, _THR_SLOT_HI)
+        _lane_hist_add_at(addr, _thr_value(x, t))
     elif LANE:
         _lane_hist_count(u, table)
     else:
@@ -218,30 +251,42 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     h2 = tl.zeros([512], dtype=tl.int32)
     if LANE:
         table = _lane_hist_init_with(pid * 0, _INIT_THR)  # and the threshold table
+        col = _lane_col(pid * 0)
         tl.debug_barrier()
     else:
         table = pid * 0
+        col = table
     step = nprog * TILE
     last = n_full - TILE
     if WORDS:  # bf16 read as 32-bit words, two values each
         TW: tl.constexpr = TILE // 2
-        if LANE:  # bf16 pairs: +inf, +inf and -inf, -inf
+        if LANE:  # bf16 pairs: +inf, +inf and -inf, -inf; um1 as 16-bit pairs (_words_um1)
             mn = tl.full([T], 0x7F807F80, tl.int32)
             mx = tl.full([T], -8323200, tl.int32)  # 0xFF80FF80
+            um1 = tl.full([T], 0x7FFF7FFF, tl.int32)
         wp = x_ptr.to(tl.pointer_type(tl.int32))
         wl = tl.arange(0, TW)
-        # the next tile in registers while this one is reduced
-        nxt = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE, last) // 2, TW) + wl)
-        for start in range(pid * TILE, n_full, step):
-            cur = nxt
-            nxt = tl.load(wp + tl.multiple_of(tl.minimum(start + step, last) // 2, TW) + wl)
+        # Two tiles at a time, a and b: a's next load goes into a's registers once a is reduced
+        # and lands while b is (one tile in flight, as before, without the copy of a prefetched
+        # tile into the working registers that a one-tile loop needs: 8 moves per tile)
+        a = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE, last) // 2, TW) + wl)
+        b = tl.load(wp + tl.multiple_of(tl.minimum(pid * TILE + step, last) // 2, TW) + wl)
+        for start in range(pid * TILE, n_full, 2 * step):
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
             mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
-                cur, mn, mx, um1, s1, s2, bhi, h2, table, U, T, V, SUM32, LANE, FPARTS)
+                a, mn, mx, um1, s1, s2, bhi, h2, table, col, U, T, V, SUM32, LANE, FPARTS)
+            a = tl.load(wp + tl.multiple_of(tl.minimum(start + 2 * step, last) // 2, TW) + wl)
+            if start + step < n_full:
+                if PREF:
+                    _l2_prefetch(x_ptr + tl.minimum(start + (PREF + 1) * step, last), TILE * 2)
+                mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
+                    b, mn, mx, um1, s1, s2, bhi, h2, table, col, U, T, V, SUM32, LANE, FPARTS)
+            b = tl.load(wp + tl.multiple_of(tl.minimum(start + 3 * step, last) // 2, TW) + wl)
         if LANE:
             mn = _words_unpair(mn, False)
             mx = _words_unpair(mx, True)
+            um1 = _words_um1(um1)
     else:
         nxt = tl.load(x_ptr + tl.multiple_of(tl.minimum(pid * TILE, last), TILE) + lanes)
         for start in range(pid * TILE, n_full, step):
@@ -251,11 +296,12 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
                              TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
             mn, mx, um1, s1, s2, blo, bhi, cs6, h2 = _values_tile(
-                cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, FP8, U, T, V, SUM32, LANE,
+                cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8, U, T, V, SUM32, LANE,
                 FPARTS)
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)
+        h, ab = _top_rows(h, ab, f)
     else:
         hh = tl.reshape(h2, [2, 256])
         row = tl.reshape(tl.arange(0, 512) // 256, [2, 256])

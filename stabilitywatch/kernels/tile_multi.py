@@ -20,7 +20,7 @@ from .launch import FastLaunch
 from .stats_multi import _ELT as _MULTI_ELT, _device_table
 from .stats_tile import _careful_tiles, tile_shape
 from .stats_triton import (PREFETCH_AHEAD, _emit_scalars, _interpreting, _sm_count,
-                           prefetch_tiles, tile_programs)
+                           prefetch_tiles, register_cap, tile_programs)
 from .tile_fast import _fast_tiles
 from .tile_ops import HBINS, O_HIST
 
@@ -103,8 +103,7 @@ class TileManyLaunch:
         self.consts = dict(ELT=_ELT[dtype], U=u, T=t, V=v, LANE=self.cuda, WORDS=words,
                            PREF=prefetch_tiles(device.index, PREFETCH_AHEAD[words])
                            if self.cuda else 0)
-        # as for one tensor (stats_triton.launch_row_stats): a register cap for bf16
-        self.opts = {"maxnreg": 96} if self.cuda and dtype == torch.bfloat16 else {}
+        self.opts = {"maxnreg": register_cap(dtype == torch.bfloat16)} if self.cuda else {}
 
     def rebind(self, addrs: list) -> bool:
         """As stats_multi.ManyLaunch.rebind; False (nothing changed) when an address is not
