@@ -131,6 +131,7 @@ VARIANTS = {
     "timing only (row wrong): fast without both": {"fparts": 0},
     "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
     "fast, L2 prefetch 4 tiles ahead": {"pref": 4},
+    "fast, 5 programs per SM": {"progs_per_sm": 5},
     "fast, 6 programs per SM": {"progs_per_sm": 6},
     "fast, 4 tiles per program": {"tiles_per_prog": 4},
     "fast, 16 tiles per program": {"tiles_per_prog": 16},
