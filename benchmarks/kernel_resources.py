@@ -31,7 +31,7 @@ def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, 
     k = stats_tile._tile_stats_kernel
     u, t, v = shape
     c = dict(FP8=fp8, SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, SUM32=False, PARTS=3,
-             BALLOT=0, FAST=2, WORDS=False, BYTES=False, FPARTS=3)
+             BALLOT=0, FAST=2, WORDS=False, BYTES=False, FPARTS=3, WIDE=False)
     c.update(consts)
     sig = {"x_ptr": PTR[fp8], "out_ptr": "*fp64", "scale_ptr": "*fp64", "scale_val": "fp32",
            "n_full": "i64", **{n: "constexpr" for n in c}}

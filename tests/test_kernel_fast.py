@@ -56,8 +56,9 @@ TRIGGERS = {
     "f32_subnormal": [1e-40],
     "e5m2_fp16_max_bin": [60000.0, -57344.0, 40000.0],
     "square_overflows_fp32": [2.0 ** 61],
-    # exponent fields 192..254: on the GPU the histogram rows that hold the threshold table
-    "huge": [2.0 ** 98, -(2.0 ** 70), 2.0 ** 127],
+    # exponent fields 192..254, on the GPU the histogram rows that hold the threshold table:
+    # 2^65 (field 192, the first), 2^98 (field 225, E4M3's maximum's threshold), 2^127
+    "huge": [2.0 ** 65, 2.0 ** 98, -(2.0 ** 70), 2.0 ** 127],
 }
 
 

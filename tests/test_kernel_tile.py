@@ -82,3 +82,18 @@ def test_tile_kernel_scaled(dname, scale):
 def test_exact_multiple_of_block_has_no_tail():
     x = blocks("normal", torch.bfloat16)[: BLOCK * 8]
     assert_rows_match(triton_row(x), reference_row(x))
+
+
+def test_tile_offsets_in_int64_near_2_pow_31():
+    # Triton passes an n_full below 2^31 as int32; offsets a few grid steps past a tile would
+    # wrap there, so such tensors take the kernel's int64 offsets (WIDE), decided per plan
+    from stabilitywatch.kernels.stats_triton import wide_offsets
+    step = 528 * 2048  # the H200's grid step for bf16: 4 programs per SM, 2048-element tiles
+    assert not wide_offsets(2**28, step) and not wide_offsets(2**31 - 13 * step, step)
+    assert wide_offsets(2**31 - 12 * step, step) and wide_offsets(2**31 - 2048, step)
+    # the int64 path gives the same rows
+    for dname in ("fp32", "bf16", "e4m3"):
+        x = dispatch.flat_view(blocks("mixed", DTYPES[dname]))
+        row = init_row_tensor(x.device)
+        launch_row_stats(x, row, tune={"fast": 1, "wide": True})
+        assert_rows_match(row, reference_row(x), label=f"{dname} wide")

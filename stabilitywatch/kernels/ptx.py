@@ -73,16 +73,18 @@ LANE_HIST_BINS = tl.constexpr(256)
 # took three instructions). The threshold fields (102..135) put their words in histogram rows
 # 192..255: the bins of |x| >= 2^65, Inf and NaN, which no program that keeps its fast pass
 # holds. A count there changes the row from its initial words, and the program then runs the
-# careful pass (tile_fast._top_rows). The rows past 255 only take the loads of fields 166..255,
-# which have no threshold: nothing reads them.
+# careful pass (tile_fast._top_rows). The rows past 255 take the loads of fields 166..255, which
+# have no threshold: they hold NaN, so that those values always add 1 (a count in a top row then
+# grows its word by at most 65535, and the change of the row's total is exact).
 THR_ROWS = tl.constexpr(90)
 TOP_ROW = tl.constexpr(192)
 
 
 def _lane_hist_init_ptx(table: dict, rows: int) -> str:
-    # Declares the histogram (rows of 32 words), writes zeros and the threshold table (the words
-    # of row f + THR_ROWS hold field f's threshold as float32 bits, counted when |x| >= it) with
-    # the program's threads, and returns its address (the same in every thread). Called on a
+    # Declares the histogram (rows of 32 words), writes zeros, the threshold table (the words of
+    # row f + THR_ROWS hold field f's threshold as float32 bits, counted when |x| >= it) and NaN
+    # in the rows past 255 with the program's threads, and returns its address (the same in
+    # every thread). Called on a
     # scalar, so that it appears once in the kernel whatever layout Triton picks for tensors (a
     # second copy of the declaration does not assemble). The caller puts a barrier between this
     # and the first count.
@@ -100,10 +102,11 @@ def _lane_hist_init_ptx(table: dict, rows: int) -> str:
     mov.u32 %i, %tid.x;
     mov.u32 %n, %ntid.x;
     sw_lane_hist_zero:
-    setp.ge.u32 %p, %i, 2048;
+    setp.ge.u32 %p, %i, {rows * 8};
     @%p bra sw_lane_hist_done;
     shr.u32 %r, %i, 3;
-    mov.u32 %v, 0;{chain}
+    setp.ge.u32 %p, %r, 256;
+    selp.u32 %v, 0x7FFFFFFF, 0, %p;{chain}
     shl.b32 %a, %i, 4;
     add.u32 %a, %a, %b;
     st.shared.v4.u32 [%a], {{%v, %v, %v, %v}};

@@ -218,8 +218,11 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
                        SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
                        BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
                        WORDS: tl.constexpr = False, BYTES: tl.constexpr = False,
-                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
+                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0,
+                       WIDE: tl.constexpr = False):
     # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
+    # WIDE: element offsets in int64, for an n_full that Triton passes as int32 (below 2^31) but
+    # that the loops' offsets, up to ~10 grid steps beyond a tile, would take past it.
     # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
     # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
     # threshold counts, 2 = histogram); FPARTS 4: none of the row's atomics but the careful
@@ -227,6 +230,8 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     # FAST: 1 = the fast passes with tl.histogram, 2 = with the lane histogram in shared memory
     # (GPU). BYTES (fp8): the byte-count pass (tile_fp8.py); else, unscaled: the fast pass
     # (tile_fast.py), and a program whose data needs it runs the careful pass instead.
+    if WIDE:
+        n_full = n_full.to(tl.int64)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = U * T * V
@@ -285,7 +290,8 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
 
 def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tuple,
                 sum32: bool, parts: int, ballot: bool, fast: int, words: bool, bytes_: bool,
-                maxnreg: "int | None", fparts: int, pref: int) -> tuple[dict, dict]:
+                maxnreg: "int | None", fparts: int, pref: int,
+                wide: bool = False) -> tuple[dict, dict]:
     """The tile kernel's constexprs and compile options (aligned4: x starts 4-byte aligned).
     fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
     histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
@@ -297,9 +303,9 @@ def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tu
     words = bool(fast and fp8 == 3 and words and aligned4)
     consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
                   PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
-                  BYTES=bytes_, FPARTS=fparts, PREF=pref)
-    # a register cap for the fast passes (more programs per SM); the careful pass alone keeps
-    # what the compiler gives it
+                  BYTES=bytes_, FPARTS=fparts, PREF=pref, WIDE=wide)
+    # a register cap for the kernels with a fast pass (more programs per SM; their careful pass
+    # runs under it too); the careful pass alone keeps what the compiler gives it
     opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}
     return consts, opts
 

@@ -290,7 +290,7 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
     general kernel here; both merge into the row with atomics. `tune` is for benchmarks:
     kernel="general" (general kernel only), u, num_warps, progs_per_sm, sum32, parts, ballot,
     direct (False: launch through Triton's own launcher), fast, words, bytes, maxnreg, fparts,
-    pref (stats_tile.tile_consts)."""
+    pref, wide (stats_tile.tile_consts)."""
     n = flat.numel()
     if n == 0:
         return
@@ -348,7 +348,7 @@ class _RowPlan:
                 tune.get("parts", 3), tune.get("ballot", cuda), tune.get("fast", 2 if cuda else 1),
                 tune.get("words", True), bytes_,
                 tune.get("maxnreg", register_cap(fp8 == 3) if cuda else None), tune.get("fparts", 3),
-                pref)
+                pref, tune.get("wide", wide_offsets(self.n_full, self.tile_progs * tile)))
             self.tile = (tile_launch.bind(consts, warps, **opts) if direct
                          else _triton_launch(_tile_stats_kernel, consts, warps, opts))
         self.n_tail, self.tail = n - self.n_full, None
@@ -386,11 +386,20 @@ FP8_BYTES_MIN = 1 << 20
 PREFETCH_AHEAD = {True: 4, False: 2}
 
 
-def register_cap(bf16_words: bool) -> int:
+def register_cap(bf16: bool) -> int:
     """The tile kernels' register cap: at most 128 registers (4 programs of 4 warps per SM, the
     grid tile_programs sizes), 96 for bf16 (more programs' loads in flight). Uncapped, the H200's
     ptxas gave the float32 kernel 145 (3 programs per SM: the fourth wave ran alone, +26 %)."""
-    return 96 if bf16_words else 128
+    return 96 if bf16 else 128
+
+
+def wide_offsets(n_full: int, step: int) -> bool:
+    """Whether the tile kernel needs int64 element offsets: Triton passes an n_full below 2^31
+    as int32, and the loops compute offsets up to ~10 grid steps (`step` elements each) past a
+    tile start (the two-tile loop, its loads and the L2 prefetch ahead)."""
+    return n_full + 12 * step >= 2**31
+
+
 _NO_TUNE: dict = {}
 
 
