@@ -24,11 +24,9 @@ import triton
 import triton.language as tl
 
 from .ptx import (THR_ROWS, TOP_ROW, _THR_SLOT_HI, _THR_SLOT_LO, _bf16x2_max, _bf16x2_min,
-                  _s16x2_min,
-                  _halves_sum, _l2_prefetch, _lane_hist_add_at, _lane_hist_count,
-                  _lane_col, _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2,
-                  _lane_thr_slot,
-                  _thr_value)
+                  _halves_sum, _l2_prefetch, _lane_col, _lane_hist_add_at, _lane_hist_count,
+                  _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2,
+                  _lane_thr_slot, _s16x2_min, _thr_value)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
 from .stats_triton import _put
