@@ -86,7 +86,7 @@ def test_exact_multiple_of_block_has_no_tail():
 
 def test_tile_offsets_in_int64_near_2_pow_31():
     # Triton passes an n_full below 2^31 as int32; offsets a few grid steps past a tile would
-    # wrap there, so such tensors take the kernel's int64 offsets (WIDE), decided per plan
+    # wrap there, so such tensors take the kernel's int64 offsets (WIDE)
     from stabilitywatch.kernels.stats_triton import wide_offsets
     step = 528 * 2048  # the H200's grid step for bf16: 4 programs per SM, 2048-element tiles
     assert not wide_offsets(2**28, step) and not wide_offsets(2**31 - 13 * step, step)

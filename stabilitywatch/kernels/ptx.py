@@ -84,13 +84,17 @@ def _lane_hist_init_ptx(table: dict, rows: int) -> str:
     # Declares the histogram (rows of 32 words), writes zeros, the threshold table (the words of
     # row f + THR_ROWS hold field f's threshold as float32 bits, counted when |x| >= it) and NaN
     # in the rows past 255 with the program's threads, and returns its address (the same in
-    # every thread). Called on a
-    # scalar, so that it appears once in the kernel whatever layout Triton picks for tensors (a
-    # second copy of the declaration does not assemble). The caller puts a barrier between this
-    # and the first count.
+    # every thread). Called on a scalar, so that it appears once in the kernel whatever layout
+    # Triton picks for tensors (a second copy of the declaration does not assemble). The caller
+    # puts a barrier between this and the first count.
     at = {f + THR_ROWS.value: t for f, t in table.items()}
     assert all(TOP_ROW.value <= r < 256 for r in at) and (not at or rows >= 256 + THR_ROWS.value)
-    chain = "".join(f"""
+    # each word's value from its row %r: zero, NaN past row 255, or a threshold; a plain
+    # histogram (256 rows, no table) only zeroes
+    value = "" if rows == 256 and not at else """
+    shr.u32 %r, %i, 3;
+    setp.ge.u32 %p, %r, 256;
+    selp.u32 %v, 0x7FFFFFFF, 0, %p;""" + "".join(f"""
     setp.eq.u32 %p, %r, {r};
     selp.u32 %v, {t}, %v, %p;""" for r, t in sorted(at.items()))
     return f"""
@@ -104,9 +108,7 @@ def _lane_hist_init_ptx(table: dict, rows: int) -> str:
     sw_lane_hist_zero:
     setp.ge.u32 %p, %i, {rows * 8};
     @%p bra sw_lane_hist_done;
-    shr.u32 %r, %i, 3;
-    setp.ge.u32 %p, %r, 256;
-    selp.u32 %v, 0x7FFFFFFF, 0, %p;{chain}
+    mov.u32 %v, 0;{value}
     shl.b32 %a, %i, 4;
     add.u32 %a, %a, %b;
     st.shared.v4.u32 [%a], {{%v, %v, %v, %v}};
