@@ -28,6 +28,7 @@ from .hooks.selectors import select_modules
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
+from .integrations.accelerate import unwrap_optimizer
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
 from .sinks.factory import make_sinks
@@ -48,6 +49,7 @@ class Monitor:
         if not isinstance(model, nn.Module):
             raise TypeError(f"stabilitywatch.watch: model must be a torch.nn.Module, "
                             f"got {type(model).__name__}")
+        optimizer = unwrap_optimizer(optimizer)  # Accelerate's and Lightning's wrappers
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"stabilitywatch.watch: optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
@@ -111,15 +113,37 @@ class Monitor:
     def step(self, step: int, batch: Any = None) -> Iterator["Monitor"]:
         """One training step. Tensors are read on the steps the schedule samples; the rows of a
         step are read on the host one step later (or at close())."""
+        self.begin_step(step, batch)
+        try:
+            yield self
+        finally:
+            self.end_step()
+
+    def begin_step(self, step: int, batch: Any = None) -> None:
+        """Start step `step` without a `with` block (trainer callbacks); `end_step()` ends it.
+        A step still open is ended first."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"Monitor.step: step must be an int, got {type(step).__name__}")
         if self._closed:
             raise RuntimeError("Monitor.step: the monitor is closed")
         self._begin(step, batch)
-        try:
-            yield self
-        finally:
+
+    def end_step(self) -> None:
+        """End the open step (nothing when none is open)."""
+        if self._step is not None:
             self._end()
+
+    def observe_batch(self, batch: Any) -> None:
+        """A further micro-batch of the open step: its floating tensors merge into the row
+        of module "" role "input", as the batch given to begin_step does."""
+        if self._step is not None:
+            self._record_batch(batch)
+
+    def observe_grads(self) -> None:
+        """Read the parameter gradients now, as the optimizer pre-step tap does: for trainers
+        whose optimizer.step(closure) runs the backward inside the step, after that tap."""
+        if self._step is not None and self.optimizer is not None:
+            self.taps._grads_before_step(self.optimizer, (), {})
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record the loss of the current step (no host sync)."""
@@ -183,16 +207,19 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
+        self._record_batch(batch)
+        self.taps.weights()
+        self.extras.begin_step(self._on)
+        if self.capture is not None:
+            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
+
+    def _record_batch(self, batch: Any) -> None:
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
             for suffix, t in found:
                 role = "input" if len(found) == 1 else "input" + suffix
                 self._safe_record(t.detach(), "", role, Phase.BATCH, False)
-        self.taps.weights()
-        self.extras.begin_step(self._on)
-        if self.capture is not None:
-            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
         try:

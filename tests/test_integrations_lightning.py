@@ -1,0 +1,168 @@
+"""Lightning: the callback on a tiny LightningModule, trained to completion by a real Trainer
+(CPU): one frame per optimizer step under gradient accumulation, micro-batches merged into one
+row, the loss as Lightning backpropagates it, a NaN weight named, replay of a captured step."""
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+L = pytest.importorskip("lightning.pytorch")
+
+import stabilitywatch as sw  # noqa: E402
+from stabilitywatch.integrations.lightning import StabilityWatchCallback  # noqa: E402
+
+BATCH, STEPS = 4, 5
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.micro_losses = []     # test-side record of every training_step loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.micro_losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def loader(n):
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g))
+            for _ in range(n)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+class NaNWeight(L.Callback):
+    """Puts a NaN into net.2's weight at the start of optimizer step `at`."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.net[2].weight[0, 0] = float("nan")
+
+
+def trainer_for(tmp_path, callbacks, steps=STEPS, accumulate=1, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1,
+                     accumulate_grad_batches=accumulate, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=str(tmp_path),
+                     callbacks=callbacks, **kw)
+
+
+def stats(run_dir):
+    out = {}
+    for line in open(run_dir / "stats.jsonl"):
+        r = json.loads(line)
+        key = (r["step"], r["module"], r["tensor"])
+        assert key not in out, f"{key} written twice"
+        out[key] = r["stats"]
+    return out
+
+
+def test_accumulation_one_frame_per_optimizer_step(tmp_path):
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    model = build_model()
+    trainer = trainer_for(tmp_path, [cb], accumulate=2)
+    trainer.fit(model, loader(2 * STEPS))
+    assert trainer.global_step == STEPS
+    assert cb.monitor.closed and cb.monitor.frames_seen == STEPS
+    recs = stats(tmp_path / "sw")
+    assert sorted(s for s, m, t in recs if (m, t) == ("", "loss")) == list(range(STEPS))
+    for step in range(STEPS):
+        # both micro-batches in one row: the first layer's output holds 2 x BATCH x 16 values
+        assert recs[(step, "net.0", "output")]["numel"] == 2 * BATCH * 16
+        # the batch: each micro-batch's tensors, named as replay names them
+        assert recs[(step, "", "input.1.0")]["numel"] == BATCH * 8
+        assert recs[(step, "", "input.1.1")]["numel"] == BATCH
+        # the step's loss: the mean of its two micro-batch losses (what Lightning backpropagates)
+        pair = model.micro_losses[2 * step: 2 * step + 2]
+        assert recs[(step, "", "loss")]["mean"] == pytest.approx(sum(pair) / 2, rel=1e-6)
+        # gradients after the whole accumulation, read once per step
+        assert recs[(step, "net.0", "grad")]["numel"] == 16 * 8
+    assert not [a for a in cb.monitor.alerts if a.severity != sw.Severity.INFO]
+
+
+def test_gradients_read_after_the_closure(tmp_path):
+    """Lightning runs the backward inside optimizer.step(closure): the rows hold the gradient
+    the optimizer applies, not the (absent) one before the closure."""
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    grads = {}
+
+    class Keep(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads[trainer.global_step] = pl_module.net[0].weight.grad.abs().max().item()
+
+    model = build_model()
+    trainer = trainer_for(tmp_path, [Keep(), cb], steps=3)
+    trainer.fit(model, loader(3))
+    recs = stats(tmp_path / "sw")
+    for step in range(3):
+        assert recs[(step, "net.0", "grad")]["absmax"] == pytest.approx(grads[step], rel=1e-6)
+
+
+def test_nan_weight_is_named_and_replayed(tmp_path):
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw",
+                                model_factory="tests.test_integrations_lightning:build_model")
+    model = build_model()
+    trainer = trainer_for(tmp_path, [NaNWeight(3), cb], accumulate=2)
+    trainer.fit(model, loader(2 * STEPS))
+    assert trainer.global_step == STEPS
+    crit = [a for a in cb.monitor.alerts if a.severity == sw.Severity.CRITICAL]
+    assert crit, cb.monitor.alerts
+    first = crit[0]
+    assert (first.step, first.detector, first.module, first.tensor) == \
+        (3, "nonfinite", "net.2", "weight")
+    assert first.capture is not None
+    # the capture holds both micro-batches; replay re-runs the step with the default step_fn
+    report = sw.replay(tmp_path / "sw" / first.capture, progress=False)
+    assert report["reproduces"] is True
+    assert report["step"] == 3
+
+
+def test_bad_arguments_are_refused_where_they_enter():
+    with pytest.raises(TypeError, match="config"):
+        StabilityWatchCallback(config={"every": 1})
+    with pytest.raises(ValueError, match="model_factory"):
+        StabilityWatchCallback(model_factory="no_colon")
+
+
+def test_pytorch_lightning_variant_is_its_callback():
+    pl = pytest.importorskip("pytorch_lightning")
+    from stabilitywatch.integrations.pytorch_lightning import StabilityWatchCallback as PLCb
+    assert issubclass(PLCb, pl.Callback)
+    assert issubclass(StabilityWatchCallback, L.Callback)
+
+
+def test_a_failing_monitor_does_not_stop_training(tmp_path, caplog, monkeypatch):
+    from stabilitywatch.integrations import steps
+
+    def broken(self, step, batch=None):
+        raise RuntimeError("broken on purpose")
+    monkeypatch.setattr(steps.AccumulatedStep, "micro_batch", broken)
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    model = build_model()
+    trainer = trainer_for(tmp_path, [cb], steps=3)
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        trainer.fit(model, loader(3))
+    assert trainer.global_step == 3
+    msgs = [r.getMessage() for r in caplog.records if "broken on purpose" in r.getMessage()]
+    assert len(msgs) == 1 and "on_train_batch_start" in msgs[0], msgs
