@@ -200,6 +200,12 @@ class Monitor:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def sampling(self) -> bool:
+        """True inside a step whose tensors are read (not only the loss): integrations check
+        it before computing what they would observe."""
+        return bool(self._on - {Role.LOSS}) and not self.extras.running
+
     # -- step plumbing ------------------------------------------------------------------------
     def _begin(self, step: int, batch: Any) -> None:
         if self._step is not None:  # a step left open (an exception outside the with block)
