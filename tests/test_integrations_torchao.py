@@ -101,12 +101,26 @@ def test_tensorwise_counts_and_scales_are_torchaos(tmp_path, casts):
 
 
 def test_a_clean_run_stays_quiet(tmp_path):
-    model = converted()
+    """Many casts of ordinary data: no overflow or underflow alert (current scaling's rounding
+    of the amax just above the max, which happens in about one cast in ten, is not one)."""
+    torch.manual_seed(0)
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)),
+        config=Float8LinearConfig(emulate=True))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(5)
-    x, go = torch.randn(16, 32, generator=g), torch.randn(16, 16, generator=g)
-    mon, recs = run(model, tmp_path, x, go, steps=3)
-    assert not [a for a in mon.alerts if a.severity != sw.Severity.INFO]
-    assert recs[(2, "0", "fp8.input")]["e4m3_headroom_bits"] == pytest.approx(0, abs=1e-6)
+    cfg = sw.Config(every=1, sinks=("jsonl",))
+    with swao.watch_float8(model, opt, config=cfg, run_dir=tmp_path) as mon:
+        for step in range(12):
+            with mon.step(step):
+                x = torch.randn(16, 32, generator=g)
+                (model(x) * torch.randn(16, 16, generator=g)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert not [a.line() for a in mon.alerts if a.severity != sw.Severity.INFO]
+    recs = {(r["step"], r["module"], r["tensor"]): r["stats"]
+            for r in map(json.loads, open(tmp_path / "stats.jsonl"))}
+    assert recs[(11, "2", "fp8.input")]["e4m3_headroom_bits"] == pytest.approx(0, abs=1e-6)
 
 
 def test_amax_rounded_above_the_max_is_not_a_saturation():
