@@ -166,3 +166,61 @@ def test_a_failing_monitor_does_not_stop_training(tmp_path, caplog, monkeypatch)
     assert trainer.global_step == 3
     msgs = [r.getMessage() for r in caplog.records if "broken on purpose" in r.getMessage()]
     assert len(msgs) == 1 and "on_train_batch_start" in msgs[0], msgs
+
+
+def test_wandb_through_the_trainers_logger(tmp_path, monkeypatch):
+    """With a WandbLogger the monitor logs into the logger's run: one run, holding both the
+    user's metric and the monitor's per-module charts. (~15 s: wandb's offline service.)"""
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+    from tests.wandb_reader import find_run_files, history_rows, read_finished_run
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+    class Logged(Tiny):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+    torch.manual_seed(0)
+    model = Logged()
+    logger = WandbLogger(project="sw-test", save_dir=str(tmp_path / "wl"), offline=True)
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, max_epochs=1, logger=logger,
+                        log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[cb])
+    try:
+        trainer.fit(model, loader(3))
+        assert "wandb" in cb.monitor.config.sinks
+    finally:
+        wandb.finish()
+    runs = find_run_files(str(tmp_path / "wl")) + find_run_files(str(tmp_path / "sw"))
+    assert len(runs) == 1, runs
+    keys = {k for row in history_rows(read_finished_run(runs[0])) for k in row}
+    assert "train_loss" in keys
+    assert any("net.0" in k for k in keys), sorted(keys)[:20]
+
+
+@pytest.mark.slow
+def test_ddp_ranks(tmp_path):
+    """Two CPU processes (ddp_spawn, gloo): every rank runs the callback, the monitor takes the
+    trainer's global rank, rank 0 writes the merged rows of every step. (~45 s on a 2-core
+    machine: two processes each importing torch and lightning.)"""
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3,
+                        max_epochs=1, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[cb])
+    trainer.fit(build_model(), loader(12))
+    run_dir = tmp_path / "sw"
+    assert json.loads((run_dir / "run.rank1.json").read_text())["rank"] == 1
+    recs = [json.loads(line) for line in open(run_dir / "stats.jsonl")]
+    assert {(r["rank"], r["world_size"], r["merged"]) for r in recs} == {(0, 2, True)}
+    assert sorted({r["step"] for r in recs}) == [0, 1, 2]
+    # each rank's two micro-batches, merged over both ranks
+    out = [r for r in recs if (r["step"], r["module"], r["tensor"]) == (1, "net.0", "output")]
+    assert out and out[0]["stats"]["numel"] == 2 * 2 * BATCH * 16
