@@ -109,3 +109,15 @@ def test_bad_arguments_are_refused_where_they_enter():
     with pytest.raises(ValueError, match="step_fn"):
         StabilityWatchCallback(step_fn="nocolon")
     assert issubclass(StabilityWatchCallback, transformers.TrainerCallback)
+
+
+def test_no_host_sync_in_the_callback(tmp_path, monkeypatch):
+    """The callback's events and hooks never sync from stabilitywatch's code (the trainer's own
+    code may: tests/syncguard.py)."""
+    from tests.syncguard import no_host_sync
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",), capture=()),
+                                run_dir=tmp_path / "sw")
+    trainer = trainer_for(tmp_path, [cb], steps=2)
+    with no_host_sync(monkeypatch) as calls:
+        trainer.train()
+    assert not calls and not cb._failed and cb.monitor.frames_seen == 2

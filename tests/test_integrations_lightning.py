@@ -224,3 +224,23 @@ def test_ddp_ranks(tmp_path):
     # each rank's two micro-batches, merged over both ranks
     out = [r for r in recs if (r["step"], r["module"], r["tensor"]) == (1, "net.0", "output")]
     assert out and out[0]["stats"]["numel"] == 2 * 2 * BATCH * 16
+
+
+def test_no_host_sync_in_the_callback(tmp_path, monkeypatch):
+    """Under accumulation, every callback event and the monitor's hooks run without a host
+    sync from stabilitywatch's code (tests/syncguard.py); Lightning's own code may sync."""
+    from tests.syncguard import no_host_sync
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",), capture=()),
+                                run_dir=tmp_path / "sw")
+    trainer = trainer_for(tmp_path, [cb], steps=3, accumulate=2)
+    model = build_model()
+    model.micro_losses = None           # the test-side float(loss) would be fine, but skip it
+
+    def training_step(batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(model.net(x), y)
+    model.training_step = training_step
+    with no_host_sync(monkeypatch) as calls:
+        trainer.fit(model, loader(6))
+    assert not calls and not cb._failed
+    assert cb.monitor.frames_seen == 3

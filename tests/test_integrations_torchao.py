@@ -204,3 +204,22 @@ def test_compiled_float8_model_is_read(tmp_path):
     assert (0, "0", "fp8.input") in recs and (2, "0", "fp8.grad_output") in recs
     assert (1, "0", "fp8.input") not in recs
     assert recs[(2, "0", "fp8.input")]["e4m3_underflow"] > 0.9 * x.numel()
+
+
+def test_no_host_sync(tmp_path, monkeypatch):
+    """The casts' reads never wait for the device: no item()/bool()/... from stabilitywatch's
+    code inside the steps (caught on the CPU, tests/syncguard.py)."""
+    from tests.syncguard import no_host_sync
+    model = converted()
+    x, go = crafted(), crafted_grad()
+    mon = swao.watch_float8(model, config=sw.Config(every=1, sinks=("jsonl",)),
+                            run_dir=tmp_path)
+    for step in range(3):
+        with no_host_sync(monkeypatch) as calls:
+            with mon.step(step):
+                (model(x) * go).sum().backward()
+                mon.observe_loss(x.sum())
+        assert not calls
+    mon.close()
+    assert not mon.taps._failed and mon.frames_seen == 3
+    assert {a.tensor for a in mon.alerts if a.detector == "underflow"} >= {"fp8.input"}
