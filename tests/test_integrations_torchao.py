@@ -223,3 +223,36 @@ def test_no_host_sync(tmp_path, monkeypatch):
     mon.close()
     assert not mon.taps._failed and mon.frames_seen == 3
     assert {a.tensor for a in mon.alerts if a.detector == "underflow"} >= {"fp8.input"}
+
+
+def test_trainer_callback_reads_the_casts_by_itself(tmp_path):
+    """A torchao float8 model under the Lightning callback: the casts are read, formats set."""
+    L = pytest.importorskip("lightning.pytorch")
+    from stabilitywatch.integrations.lightning import StabilityWatchCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = convert_to_float8_training(nn.Sequential(nn.Linear(32, 16)),
+                                                  config=Float8LinearConfig(emulate=True))
+
+        def training_step(self, batch, batch_idx):
+            return (self.net(batch) * crafted_grad()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",)),
+                                run_dir=tmp_path / "sw")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[cb])
+    data = torch.utils.data.DataLoader([crafted(), crafted()], batch_size=None)
+    trainer.fit(Module(), data)
+    assert cb.monitor.config.formats["fp8.grad_output"] == "e5m2"
+    recs = {(r["step"], r["module"], r["tensor"]): r["stats"]
+            for r in map(json.loads, open(tmp_path / "sw" / "stats.jsonl"))}
+    assert recs[(1, "net.0", "fp8.input")]["e4m3_underflow"] > 0.9 * crafted().numel()
+    assert (1, "net.0", "fp8.grad_output") in recs

@@ -2,7 +2,7 @@
 
 The monitor is built in `on_train_begin` on the trainer's model and optimizer (Accelerate's
 wrapper is unwrapped: the hooks go on the torch optimizer inside), with the trainer's process
-index as rank. One monitor step per optimizer step (steps.py): `on_step_begin` (called at the
+index as rank (and, for a torchao float8 model, its casts: see integrations/torchao.py). One monitor step per optimizer step (steps.py): `on_step_begin` (called at the
 first micro-batch) begins it, `on_step_end` (after the optimizer step) ends it. A forward
 pre-hook on the model keeps each micro-batch (the keyword arguments the trainer calls the model
 with) for capture, and a forward hook adds up the model's own loss on the device. The loss row
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config
-from .steps import AccumulatedStep, check_path, guarded, trainer_config
+from .steps import AccumulatedStep, build_monitor, check_path, guarded, trainer_config
 
 log = logging.getLogger("stabilitywatch")
 REPLAY_STEP = "stabilitywatch.integrations.hf:replay_step"
@@ -81,15 +81,14 @@ class StabilityWatchCallback(_base()):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.monitor is not None or model is None:
             return
-        from ..monitor import watch
         report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
         wandb = self.wandb if self.wandb is not None else "wandb" in report_to
         cfg = trainer_config(self.config, args.process_index, bool(wandb))
         run_dir = self.run_dir
         if run_dir is None:  # one directory for every rank (a timestamp could differ)
             run_dir = os.path.join(args.output_dir or ".", "stabilitywatch")
-        self.monitor = watch(model, optimizer, config=cfg, run_dir=run_dir,
-                             model_factory=self.model_factory, step_fn=self.step_fn)
+        self.monitor = build_monitor(model, optimizer, config=cfg, run_dir=run_dir,
+                                     model_factory=self.model_factory, step_fn=self.step_fn)
         self._acc = AccumulatedStep(self.monitor)
         # average_tokens_across_devices: the trainer multiplies the model's loss by the number
         # of processes before it logs the mean over them

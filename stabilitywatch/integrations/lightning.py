@@ -1,7 +1,8 @@
 """Lightning: `trainer = L.Trainer(callbacks=[StabilityWatchCallback(config=..., run_dir=...)])`.
 
 The monitor is built when training starts, on the LightningModule and the trainer's optimizer,
-with the trainer's global rank. One monitor step per optimizer step (steps.py): it begins with
+with the trainer's global rank (and, for a torchao float8 model, its casts: see
+integrations/torchao.py). One monitor step per optimizer step (steps.py): it begins with
 the first micro-batch, ends when `trainer.global_step` has moved. Lightning runs the backward
 of the last micro-batch inside `optimizer.step(closure)`, after the optimizer's pre-step hooks:
 gradients are read in `on_before_optimizer_step` instead (after the closure, before clipping).
@@ -22,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config
-from .steps import AccumulatedStep, check_path, guarded, trainer_config
+from .steps import AccumulatedStep, build_monitor, check_path, guarded, trainer_config
 
 log = logging.getLogger("stabilitywatch")
 REPLAY_STEP = "stabilitywatch.integrations.lightning:replay_step"
@@ -63,15 +64,15 @@ class _Callback:
     def on_train_start(self, trainer, pl_module) -> None:
         if self.monitor is not None:
             return
-        from ..monitor import watch
         opts = list(trainer.optimizers)
         wandb = _wandb_run(trainer) if self.wandb is not False else False
         cfg = trainer_config(self.config, trainer.global_rank, bool(wandb))
         run_dir = self.run_dir
         if run_dir is None:  # one directory for every rank (a timestamp could differ)
             run_dir = os.path.join(trainer.default_root_dir, "stabilitywatch")
-        self.monitor = watch(pl_module, opts[0] if opts else None, config=cfg, run_dir=run_dir,
-                             model_factory=self.model_factory, step_fn=self.step_fn)
+        self.monitor = build_monitor(pl_module, opts[0] if opts else None, config=cfg,
+                                     run_dir=run_dir, model_factory=self.model_factory,
+                                     step_fn=self.step_fn)
         self._acc = AccumulatedStep(self.monitor)
         if len(opts) > 1:
             log.warning("stabilitywatch: %d optimizers; the monitor reads the first one's "

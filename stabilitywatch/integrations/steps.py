@@ -83,6 +83,23 @@ def trainer_config(config: Optional[Config], rank: int, wandb: bool) -> Config:
     return config.replace(**changes) if changes else config
 
 
+def build_monitor(model: Any, optimizer: Any, config: Config, **kwargs: Any):
+    """sw.watch, and for a torchao float8 model its casts too (integrations/torchao.py)."""
+    from ..monitor import watch
+    from . import torchao
+    float8 = torchao.uses_float8(model)
+    if float8:
+        config = torchao.float8_config(model, config)
+    mon = watch(model, optimizer, config=config, **kwargs)
+    if float8:
+        try:
+            torchao.attach_float8(mon)
+        except Exception:
+            mon.close()
+            raise
+    return mon
+
+
 def guarded(fn: Callable) -> Callable:
     """A callback method that logs its failure once and lets training go on."""
     @functools.wraps(fn)

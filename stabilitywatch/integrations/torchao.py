@@ -30,6 +30,7 @@ Float8Linear; unsampled steps trace nothing of it.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Optional
 
 import torch
@@ -227,6 +228,17 @@ def attach_float8(monitor: Any) -> Float8Watch:
     return w
 
 
+def uses_float8(model: nn.Module) -> bool:
+    """True when the model holds torchao Float8Linear layers (torchao is imported only when the
+    program already did: a model converted by it)."""
+    return "torchao.float8" in sys.modules and bool(float8_layers(model))
+
+
+def float8_config(model: nn.Module, config: Any):
+    """config with the cast roles' formats from the model's float8 layers (its own win)."""
+    return config.replace(formats={**float8_formats(model), **dict(config.formats)})
+
+
 def watch_float8(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  config: Any = None, **kwargs: Any):
     """`stabilitywatch.watch` for a torchao float8 model: the formats of the cast roles set from
@@ -240,7 +252,7 @@ def watch_float8(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     if not float8_layers(model):
         raise ValueError("watch_float8: the model has no torchao Float8Linear layer (convert "
                          "it with torchao.float8.convert_to_float8_training first)")
-    config = config.replace(formats={**float8_formats(model), **dict(config.formats)})
+    config = float8_config(model, config)
     mon = watch(model, optimizer, config=config, **kwargs)
     try:
         attach_float8(mon)
