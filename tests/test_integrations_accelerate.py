@@ -90,3 +90,14 @@ def test_accelerate_nan_weight_is_named(tmp_path):
     crit = [a for a in mon.alerts if a.severity == sw.Severity.CRITICAL]
     assert crit and (crit[0].step, crit[0].detector, crit[0].module, crit[0].tensor) == \
         (3, "nonfinite", "2", "weight")
+
+
+def test_lightning_optimizer_is_unwrapped(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    model = nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = LightningOptimizer(inner)
+    assert unwrap_optimizer(wrapped) is inner
+    with pytest.raises(TypeError, match="optimizer"):
+        sw.watch(model, object(), run_dir=tmp_path)
