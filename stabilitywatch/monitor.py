@@ -134,8 +134,8 @@ class Monitor:
             self._end()
 
     def observe_batch(self, batch: Any) -> None:
-        """A further micro-batch of the open step: its floating tensors merge into the row
-        of module "" role "input", as the batch given to begin_step does."""
+        """Batch tensors of the open step given after its start (a trainer's micro-batches):
+        read as module "" roles `input...`, named as for the batch given to begin_step."""
         if self._step is not None:
             self._record_batch(batch)
 
