@@ -2,8 +2,9 @@
 
 The monitor is built in `on_train_begin` on the trainer's model and optimizer (Accelerate's
 wrapper is unwrapped: the hooks go on the torch optimizer inside), with the trainer's process
-index as rank (and, for a torchao float8 model, its casts: see integrations/torchao.py). One monitor step per optimizer step (steps.py): `on_step_begin` (called at the
-first micro-batch) begins it, `on_step_end` (after the optimizer step) ends it. A forward
+index as rank (and, for a torchao float8 model, its casts: see integrations/torchao.py). One
+monitor step per optimizer step (steps.py): `on_step_begin` (called at the first micro-batch)
+begins it, `on_step_end` (after the optimizer step) ends it. A forward
 pre-hook on the model keeps each micro-batch (the keyword arguments the trainer calls the model
 with) for capture, and a forward hook adds up the model's own loss on the device. The loss row
 is the loss the trainer logs for the step: the micro-batches' losses summed when the model
@@ -79,9 +80,11 @@ class StabilityWatchCallback(_base()):
 
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.monitor is not None or model is None:
+        if (self.monitor is not None and not self.monitor.closed) or model is None:
             return
-        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        self.close()     # a second train(): the first monitor's hooks go
+        report_to = args.report_to
+        report_to = report_to if isinstance(report_to, (list, tuple)) else [report_to]
         wandb = self.wandb if self.wandb is not None else "wandb" in report_to
         cfg = trainer_config(self.config, args.process_index, bool(wandb))
         run_dir = self.run_dir

@@ -31,7 +31,8 @@ REPLAY_STEP = "stabilitywatch.integrations.lightning:replay_step"
 
 def replay_step(model: Any, micro_batches: list) -> torch.Tensor:
     """Replay's step function for a captured Lightning step: the loss Lightning backpropagates
-    over the step's micro-batches (each `training_step` loss divided by their number)."""
+    over the step's micro-batches (each `training_step` loss divided by their number, which is
+    `accumulate_grad_batches` but for a short last group of an epoch)."""
     total = None
     for i, batch in enumerate(micro_batches):
         out = model.training_step(batch, i)
@@ -62,11 +63,12 @@ class _Callback:
     # -- start and end ---------------------------------------------------------------------
     @guarded
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.monitor is not None:
+        if self.monitor is not None and not self.monitor.closed:
             return
         opts = list(trainer.optimizers)
-        wandb = _wandb_run(trainer) if self.wandb is not False else False
-        cfg = trainer_config(self.config, trainer.global_rank, bool(wandb))
+        logged = _wandb_run(trainer) if self.wandb is not False else False
+        cfg = trainer_config(self.config, trainer.global_rank,
+                             logged if self.wandb is None else bool(self.wandb))
         run_dir = self.run_dir
         if run_dir is None:  # one directory for every rank (a timestamp could differ)
             run_dir = os.path.join(trainer.default_root_dir, "stabilitywatch")
