@@ -2,7 +2,6 @@
 optimizer step under gradient accumulation, micro-batches merged, the loss the trainer logs, a
 NaN weight named, replay of a captured step; Accelerate's wrapped optimizer."""
 import json
-import logging
 
 import pytest
 import torch
