@@ -160,6 +160,12 @@ def test_rowwise_recipe_reads_every_cast(tmp_path, casts):
     hp, data = next((hp, d) for r, a, hp, d, s in casts if r == GemmInputRole.INPUT and a == -1)
     row = recs[(0, "0", "fp8.input")]
     assert row["e4m3_underflow"] == flushed(hp, data)
+    # the casts for the other matmuls, along the other axis: torchao's flushes too
+    for role, name, axis in ((GemmInputRole.INPUT, "input_for_grad_weight", 0),
+                             (GemmInputRole.GRAD_OUTPUT, "grad_output_for_grad_weight", 0),
+                             (GemmInputRole.WEIGHT, "weight_for_grad_input", -1)):
+        hp, data = next((h, d) for r, a, h, d, s in casts if r == role and a == axis)
+        assert recs[(0, "0", f"fp8.{name}")]["e4m3_underflow"] == flushed(hp, data), name
     # one scale per row of the input: row 0 holds the outlier, the others keep their values
     assert recs[(0, "0", "fp8.scale.input")]["numel"] == x.shape[0]
     assert row["e4m3_underflow"] < x.shape[1]
