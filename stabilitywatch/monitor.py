@@ -113,37 +113,15 @@ class Monitor:
     def step(self, step: int, batch: Any = None) -> Iterator["Monitor"]:
         """One training step. Tensors are read on the steps the schedule samples; the rows of a
         step are read on the host one step later (or at close())."""
-        self.begin_step(step, batch)
-        try:
-            yield self
-        finally:
-            self.end_step()
-
-    def begin_step(self, step: int, batch: Any = None) -> None:
-        """Start step `step` without a `with` block (trainer callbacks); `end_step()` ends it.
-        A step still open is ended first."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"Monitor.step: step must be an int, got {type(step).__name__}")
         if self._closed:
             raise RuntimeError("Monitor.step: the monitor is closed")
         self._begin(step, batch)
-
-    def end_step(self) -> None:
-        """End the open step (nothing when none is open)."""
-        if self._step is not None:
+        try:
+            yield self
+        finally:
             self._end()
-
-    def observe_batch(self, batch: Any) -> None:
-        """Batch tensors of the open step given after its start (a trainer's micro-batches):
-        read as module "" roles `input...`, named as for the batch given to begin_step."""
-        if self._step is not None:
-            self._record_batch(batch)
-
-    def observe_grads(self) -> None:
-        """Read the parameter gradients now, as the optimizer pre-step tap does: for trainers
-        whose optimizer.step(closure) runs the backward inside the step, after that tap."""
-        if self._step is not None and self.optimizer is not None:
-            self.taps._grads_before_step(self.optimizer, (), {})
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record the loss of the current step (no host sync)."""
@@ -200,6 +178,37 @@ class Monitor:
     def closed(self) -> bool:
         return self._closed
 
+    # -- for trainer callbacks (integrations/), whose start and end of a step are two events ----
+    def begin_step(self, step: int, batch: Any = None) -> None:
+        """Start step `step` without a `with` block; `end_step()` ends it. A step still open is
+        ended first."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"Monitor.begin_step: step must be an int, got {type(step).__name__}")
+        if self._closed:
+            raise RuntimeError("Monitor.begin_step: the monitor is closed")
+        self._begin(step, batch)
+
+    def end_step(self) -> None:
+        """End the step begin_step opened (nothing when none is open)."""
+        if self._step is not None:
+            self._end()
+
+    def observe_batch(self, batch: Any) -> None:
+        """Batch tensors of the open step given after its start (a trainer's micro-batches):
+        read as module "" roles `input...`, named as for a batch given to the step's start."""
+        if self._step is None or Role.OUTPUT not in self._on or batch is None:
+            return
+        found = list(float_tensors(batch))
+        for suffix, t in found:
+            role = "input" if len(found) == 1 else "input" + suffix
+            self._safe_record(t.detach(), "", role, Phase.BATCH, False)
+
+    def observe_grads(self) -> None:
+        """Read the parameter gradients now, as the optimizer pre-step tap does: for trainers
+        whose optimizer.step(closure) runs the backward inside the step, after that tap."""
+        if self._step is not None and self.optimizer is not None:
+            self.taps._grads_before_step(self.optimizer, (), {})
+
     @property
     def sampling(self) -> bool:
         """True inside a step whose tensors are read (not only the loss): integrations check
@@ -213,19 +222,16 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
-        self._record_batch(batch)
-        self.taps.weights()
-        self.extras.begin_step(self._on)
-        if self.capture is not None:
-            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
-
-    def _record_batch(self, batch: Any) -> None:
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
             for suffix, t in found:
                 role = "input" if len(found) == 1 else "input" + suffix
                 self._safe_record(t.detach(), "", role, Phase.BATCH, False)
+        self.taps.weights()
+        self.extras.begin_step(self._on)
+        if self.capture is not None:
+            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
         try:
