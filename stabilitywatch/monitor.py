@@ -23,12 +23,12 @@ from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
 from .hooks.extra import ExtraTaps
+from .integrations.accelerate import unwrap_optimizer
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
-from .integrations.accelerate import unwrap_optimizer
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
 from .sinks.factory import make_sinks
