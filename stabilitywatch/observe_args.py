@@ -49,7 +49,10 @@ def check_scale(scale) -> None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"Monitor.observe: scale must be a positive number or a 0-dim floating "
                         f"tensor, got {type(scale).__name__} {scale!r}")
-    value = float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:   # an int past float's range
+        value = math.inf
     if not (math.isfinite(value) and SCALE_MIN <= value <= SCALE_MAX):
         raise ValueError(f"Monitor.observe: scale must be a finite positive number within "
                          f"float32's normal range [{SCALE_MIN:.6g}, {SCALE_MAX:.6g}], "

@@ -7,9 +7,10 @@ one log line says where.
 
 Every rank decides on its own, without a collective, and all ranks of one job reach the same
 directory: rank r judges a directory by its own files (`run.rank{r}.json`, `alerts.rank{r}.jsonl`,
-`stats.rank{r}.jsonl`; rank 0 the unsuffixed ones), and a non-zero rank also takes a `run.json` as
-a previous run's when it records another world size or is older than the rank's own process
-(this job's rank 0 writes it after every rank has started).
+`stats.rank{r}.jsonl`; rank 0 the unsuffixed ones), and a non-zero rank also takes rank 0's files
+for a previous run's when there is no `run.json` beside them, or it records another world size,
+or it is older than the rank's own process (this job's rank 0 writes it first, and after every
+rank has started: watch() comes after torch.distributed's rendezvous).
 """
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ def holds_run(d: Path, rank: int = 0, world_size: int = 1,
     """True when directory `d` holds a run that rank `rank` of this job must not append to."""
     if any((d / name).exists() for name in _own_files(rank)):
         return True
-    if rank == 0:
+    if rank == 0 or not any((d / name).exists() for name in _own_files(0)):
         return False
+    # rank 0's files: this job's when its manifest is, which rank 0 writes before anything else
     manifest = d / "run.json"
     try:
         mtime = manifest.stat().st_mtime
     except OSError:
-        return False
+        return True
     try:
         recorded = json.loads(manifest.read_text()).get("world_size")
     except (OSError, ValueError, AttributeError):

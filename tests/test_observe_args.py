@@ -95,14 +95,15 @@ GOOD = torch.ones(4)
     ((GOOD, "r"), {"scale": -2.0}, ValueError, "finite positive.*-2.0"),
     ((GOOD, "r"), {"scale": 1e-50}, ValueError, "normal range.*1e-50"),
     ((GOOD, "r"), {"scale": 1e39}, ValueError, "normal range.*1e\\+39"),
+    ((GOOD, "r"), {"scale": 10 ** 400}, ValueError, "normal range"),
     ((GOOD, "r"), {"scale": torch.tensor([1.0, 2.0])}, ValueError, "0-dim.*shape \\(2,\\)"),
     ((GOOD, "r"), {"scale": torch.tensor(2)}, ValueError, "floating tensor.*torch.int64"),
     ((GOOD, "r"), {"scale": torch.tensor(2 + 0j)}, ValueError, "floating tensor.*complex"),
 ], ids=["tensor-list", "tensor-ndarray", "role-int", "role-none", "role-empty", "role-space",
         "role-newline", "role-nul", "role-zero-width", "module-int", "module-space",
         "scale-str", "scale-bool", "scale-list", "scale-complex", "scale-nan", "scale-inf",
-        "scale-zero", "scale-negative", "scale-tiny", "scale-huge", "scale-tensor-2",
-        "scale-tensor-int", "scale-tensor-complex"])
+        "scale-zero", "scale-negative", "scale-tiny", "scale-huge", "scale-huge-int",
+        "scale-tensor-2", "scale-tensor-int", "scale-tensor-complex"])
 @pytest.mark.parametrize("inside", [True, False], ids=["in-step", "outside-step"])
 def test_bad_observe_arguments_raise_naming_the_argument(tmp_path, args, kw, exc, needle, inside):
     model, opt = make()
@@ -134,7 +135,8 @@ def test_good_observe_arguments_are_recorded(tmp_path, scale):
             mon.observe(t, "amax_history-2:w", module="")     # punctuation is fine
             with pytest.raises(ValueError, match="whitespace"):
                 mon.observe(t, "amax history", module="")     # whitespace is not
-    frame_keys = {(r["module"], r["tensor"]): r for r in map(json.loads, open(tmp_path / "stats.jsonl"))}
+    recs = map(json.loads, open(tmp_path / "stats.jsonl"))
+    frame_keys = {(r["module"], r["tensor"]): r for r in recs}
     rec = frame_keys[("fc1", "fp8.x")]
     want = sw.tensor_stats(t, scale=1.0 if scale is None else float(scale))
     assert rec["stats"]["numel"] == 64

@@ -129,6 +129,14 @@ def test_every_rank_picks_the_same_dir(tmp_path, previous_world):
     assert got == [want, want]
 
 
+@pytest.mark.parametrize("name", ["alerts.jsonl", "stats.jsonl"])
+def test_rank0_files_without_a_manifest_are_a_previous_run_for_every_rank(tmp_path, name):
+    first = tmp_path / "run"
+    first.mkdir()
+    (first / name).write_text("{}\n")
+    assert _choices(first, 2, time.time() - 5) == [tmp_path / "run-2"] * 2
+
+
 def test_rank_of_this_job_joins_the_dir_rank0_just_wrote(tmp_path):
     first = tmp_path / "run"
     from stabilitywatch.rundir import fresh_run_dir

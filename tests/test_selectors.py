@@ -225,6 +225,7 @@ def test_module_type_matching_nothing_raises(model, types, missing):
         names(model, module_types=types)
     msg = str(ei.value)
     assert f"module_types ['{missing}'] match no module" in msg
+    assert ("did you mean 'LayerNorm'?" in msg) == (missing == "LayerNrom")
     assert "LayerNorm" in msg and "Linear" in msg                 # shows the model's types
     assert "\n" not in msg
 

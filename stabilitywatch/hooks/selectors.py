@@ -1,6 +1,7 @@
 """Which modules to watch: qualified-name globs, module types, or a predicate."""
 from __future__ import annotations
 
+import difflib
 import fnmatch
 
 import torch.nn as nn
@@ -63,8 +64,10 @@ def select_modules(model: nn.Module, config: Config) -> list[tuple[str, nn.Modul
                          f"model; names look like: {_sample_names(named)}")
     no_type = [_type_name(config.module_types[i]) for i, n in type_hits.items() if n == 0]
     if no_type:
+        close = difflib.get_close_matches(no_type[0], {type(m).__name__ for _, m in named}, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"stabilitywatch: module_types {no_type} match no module of the model; "
-                         f"its module types are: {_sample_types(named)}")
+                         f"its module types are: {_sample_types(named)}{hint}")
     if not chosen and MODULE_ROLES & set(config.roles):
         raise ValueError(f"stabilitywatch: the module selection ({_asked(config)}) watches no "
                          f"module of the model; names look like: {_sample_names(named)}; types: "
