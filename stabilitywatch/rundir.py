@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -44,14 +45,25 @@ def holds_run(d: Path, rank: int = 0, world_size: int = 1,
         mtime = manifest.stat().st_mtime
     except OSError:
         return True
-    try:
-        recorded = json.loads(manifest.read_text()).get("world_size")
-    except (OSError, ValueError, AttributeError):
-        return True   # a manifest this job's rank 0 did not write (it writes whole files)
-    if recorded != world_size:
-        return True
     started = _process_start() if started is None else started
-    return started is not None and mtime < started - _START_SLACK_S
+    old = started is not None and mtime < started - _START_SLACK_S
+    recorded = _recorded_world(manifest, retry=not old)
+    if recorded is None:   # unreadable: a broken old manifest, or one being written right now
+        return old or started is None
+    return old or recorded != world_size
+
+
+def _recorded_world(manifest: Path, retry: bool) -> Optional[int]:
+    # rank 0 may be writing the file while this rank reads it: a partial file parses after a
+    # moment; an old broken one never does
+    for attempt in range(20 if retry else 1):
+        try:
+            world = json.loads(manifest.read_text()).get("world_size")
+            return world if isinstance(world, int) else -1
+        except (OSError, ValueError, AttributeError):
+            if attempt + 1 < (20 if retry else 1):
+                time.sleep(0.05)
+    return None
 
 
 def fresh_run_dir(run_dir: "str | os.PathLike", rank: int = 0, world_size: int = 1,

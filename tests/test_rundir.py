@@ -144,6 +144,24 @@ def test_rank_of_this_job_joins_the_dir_rank0_just_wrote(tmp_path):
     assert fresh_run_dir(first, 1, 2, started=time.time() - 5) == first
 
 
+def test_rank_waits_for_a_manifest_being_written(tmp_path):
+    import threading
+    from stabilitywatch.rundir import holds_run
+    first = tmp_path / "run"
+    first.mkdir()
+    (first / "run.json").write_text('{"rank": 0, "wor')      # rank 0 is halfway through
+    done = threading.Timer(0.2, lambda: _manifest(first, 0, 2))
+    done.start()
+    try:
+        assert not holds_run(first, 1, 2, started=time.time() - 5)
+    finally:
+        done.cancel()
+    assert not holds_run(first, 1, 2, started=time.time() - 5)
+    (first / "run.json").write_text("{broken")
+    os.utime(first / "run.json", (time.time() - 3600,) * 2)   # an old broken manifest
+    assert holds_run(first, 1, 2, started=time.time() - 5)
+
+
 def test_rank_judges_an_old_manifest_of_the_same_world_as_a_previous_run(tmp_path):
     # the previous run's rank 1 wrote nothing (it died early); its rank 0's manifest predates
     # this process
