@@ -36,8 +36,9 @@ class Retention(str, enum.Enum):
 
 def parse_trigger(entry: Any) -> tuple[str, int]:
     """'critical' -> ('*', 2); 'overflow' -> ('overflow', 0); 'nonfinite:warning' ->
-    ('nonfinite', 1); '*:warning' -> ('*', 1). A severity means 'at or above it'. Detector names are those of
-    alert.DETECTORS; an unknown name or severity raises ValueError with the closest match."""
+    ('nonfinite', 1); '*:warning' -> ('*', 1). A severity means 'at or above it'. Detector
+    names are those of alert.DETECTORS; an unknown name or severity raises ValueError with the
+    closest match."""
     if not isinstance(entry, str) or not entry or entry.count(":") > 1:
         raise ValueError(f"Config.capture entries must be 'SEVERITY', 'DETECTOR' or "
                          f"'DETECTOR:SEVERITY' strings, got {entry!r}")
