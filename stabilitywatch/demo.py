@@ -152,8 +152,10 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     if device == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / steps
-    return DemoResult(Path(out), steps, fault_step, inf_step, FAULT_MODULE, ms,
-                      list(mon.alerts) if mon else [], [float(x) for x in losses])
+    # mon.run_dir: where the run wrote (a sibling of `out` when `out` held a run already)
+    return DemoResult(mon.run_dir if mon else Path(out), steps, fault_step, inf_step,
+                      FAULT_MODULE, ms, list(mon.alerts) if mon else [],
+                      [float(x) for x in losses])
 
 
 class _null:
