@@ -18,6 +18,8 @@ from stabilitywatch.capture.writer import MANIFEST, SUMS, sha256_file
 import capture_models as cm
 
 REPO = Path(__file__).resolve().parents[1]
+NAMES = {"model_factory": "capture_models:build", "step_fn": "capture_models:step_fp16"}
+FLAGS = ["--model-factory", NAMES["model_factory"], "--step-fn", NAMES["step_fn"]]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def copy(bundle, tmp_path):
 
 def test_round_trip_reproduces_and_names_the_module(bundle, tmp_path):
     out = tmp_path / "r.json"
-    r = sw.replay(bundle, progress=False, json_file=out)
+    r = sw.replay(bundle, progress=False, json_file=out, **NAMES)
     assert r["reproduces"] is True and r["reproduce"]["rows_differing"] == 0
     assert r["first_divergent_module"] == "fc2"
     assert [m["module"] for m in r["modules"]][:4] == ["fc1", "fc2", "ln", "fc3"]
@@ -49,16 +51,17 @@ def test_round_trip_reproduces_and_names_the_module(bundle, tmp_path):
 
 
 def test_upcast_what_if(bundle):
-    fixed = sw.replay(bundle, progress=False, upcast=["fc2"])["upcast"]
+    fixed = sw.replay(bundle, progress=False, upcast=["fc2"], **NAMES)["upcast"]
     assert fixed["modules"] == ["fc2"] and fixed["anomaly_disappears"] is True
     assert fixed["remaining"] == []
-    kept = sw.replay(bundle, progress=False, upcast="fc1")["upcast"]
+    kept = sw.replay(bundle, progress=False, upcast="fc1", trust_recorded=True)["upcast"]
     assert kept["anomaly_disappears"] is False
     assert kept["remaining"] == ["nonfinite fc2 output inf"]
 
 
 def test_a_different_computation_does_not_reproduce(bundle):
-    r = sw.replay(bundle, progress=False, step_fn="capture_models:step_perturbed")
+    r = sw.replay(bundle, progress=False, step_fn="capture_models:step_perturbed",
+                  model_factory=NAMES["model_factory"])
     assert r["reproduces"] is False
     rp = r["reproduce"]
     assert rp["rows_differing"] > 0 and "does NOT reproduce" in rp["verdict"]
@@ -67,10 +70,13 @@ def test_a_different_computation_does_not_reproduce(bundle):
 
 
 def test_progress_line_on_stderr(bundle, capsys):
-    assert cli.main(["replay", str(bundle), "--json", "-"]) == 0
+    assert cli.main(["replay", str(bundle), "--json", "-", *FLAGS]) == 0
     cap = capsys.readouterr()
     assert json.loads(cap.out)["first_divergent_module"] == "fc2"
-    assert "replay [1/4]" in cap.err and "replay [4/4]" in cap.err
+    for phase in ("[1/6] verifying the bundle", "[2/6] building the model",
+                  "[3/6] re-running the step as recorded", "[4/6] recording the low-precision run",
+                  "[5/6] recording the fp64 run", "[6/6] comparing module by module"):
+        assert f"replay {phase}" in cap.err, cap.err
 
 
 def test_inspect(bundle, capsys):
@@ -86,6 +92,7 @@ def _reseal(d: Path) -> None:
     m = json.loads((d / MANIFEST).read_text())
     for name in m["files"]:
         m["files"][name]["sha256"] = sha256_file(d / name)
+        m["files"][name]["bytes"] = (d / name).stat().st_size
     (d / MANIFEST).write_text(json.dumps(m))
     names = sorted(set(m["files"]) | {MANIFEST})
     (d / SUMS).write_text("".join(f"{sha256_file(d / n)}  {n}\n" for n in names))
@@ -111,7 +118,7 @@ def _damage(kind: str, d: Path, marker: Path) -> str:
     if kind == "truncated":
         p = d / "model.safetensors"
         p.write_bytes(p.read_bytes()[:100])
-        return "checksum mismatch for model.safetensors"
+        return "model.safetensors is 100 bytes, manifest.json lists"
     if kind == "flipped-byte":
         p = d / "optimizer.safetensors"
         b = bytearray(p.read_bytes())
@@ -154,20 +161,20 @@ def test_bad_bundle_one_line_error(kind, copy, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(pickle, "loads", no_unpickling)
     monkeypatch.setattr(torch, "load", no_unpickling)
     for verb in ("inspect", "replay"):
-        assert cli.main([verb, str(copy), "--no-progress"] if verb == "replay"
+        assert cli.main([verb, str(copy), "--no-progress", *FLAGS] if verb == "replay"
                         else [verb, str(copy)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1, err
         assert words in err and "Traceback" not in err
     with pytest.raises(CaptureError):
-        sw.replay(copy, progress=False)
+        sw.replay(copy, progress=False, **NAMES)
     assert not marker.exists()
 
 
 def test_bad_bundle_subprocess_has_no_traceback(copy, tmp_path):
     _damage("pickle-instead-of-safetensors", copy, tmp_path / "pwned")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    r = subprocess.run([sys.executable, "-m", "stabilitywatch", "replay", str(copy)],
+    r = subprocess.run([sys.executable, "-m", "stabilitywatch", "replay", str(copy), *FLAGS],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("stabilitywatch replay: error:")
@@ -175,9 +182,11 @@ def test_bad_bundle_subprocess_has_no_traceback(copy, tmp_path):
 
 
 def test_replay_argument_errors(bundle, capsys):
+    # --model: the hidden alias of --model-factory
     assert cli.main(["replay", str(bundle), "--model", "no_such_module:build",
-                     "--no-progress"]) == 2
-    assert "cannot import model factory" in capsys.readouterr().err
-    assert cli.main(["replay", str(bundle), "--upcast", "nothing*", "--no-progress"]) == 2
+                     "--trust-recorded", "--no-progress"]) == 2
+    assert "cannot import model factory 'no_such_module:build'" in capsys.readouterr().err
+    assert cli.main(["replay", str(bundle), "--upcast", "nothing*", "--no-progress",
+                     *FLAGS]) == 2
     assert "matches no module" in capsys.readouterr().err
     assert open_capture(bundle / MANIFEST).step == 3      # the manifest's path also works
