@@ -1,4 +1,5 @@
 """Replay of a capture (tiny fp16 model) and refusal of bad bundles, without running their code."""
+import io
 import json
 import os
 import pickle
@@ -69,14 +70,21 @@ def test_a_different_computation_does_not_reproduce(bundle):
     assert d["module"] == "fc1" and d["recorded"] != d["replayed"]
 
 
-def test_progress_line_on_stderr(bundle, capsys):
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_on_stderr(bundle, capsys, monkeypatch):
+    tty = FakeTTY()          # on a terminal every phase is drawn as it starts (in a log: the
+    monkeypatch.setattr(sys, "stderr", tty)    # phases that run longer than 1 s)
     assert cli.main(["replay", str(bundle), "--json", "-", *FLAGS]) == 0
-    cap = capsys.readouterr()
-    assert json.loads(cap.out)["first_divergent_module"] == "fc2"
+    assert json.loads(capsys.readouterr().out)["first_divergent_module"] == "fc2"
+    err = tty.getvalue()
     for phase in ("[1/6] verifying the bundle", "[2/6] building the model",
                   "[3/6] re-running the step as recorded", "[4/6] recording the low-precision run",
                   "[5/6] recording the fp64 run", "[6/6] comparing module by module"):
-        assert f"replay {phase}" in cap.err, cap.err
+        assert f"\rreplay {phase}" in err, err
 
 
 def test_inspect(bundle, capsys):
@@ -190,3 +198,83 @@ def test_replay_argument_errors(bundle, capsys):
                      *FLAGS]) == 2
     assert "matches no module" in capsys.readouterr().err
     assert open_capture(bundle / MANIFEST).step == 3      # the manifest's path also works
+
+
+# -- exit statuses ----------------------------------------------------------------------------
+@pytest.mark.parametrize("step_fn, fail_on, status", [
+    ("capture_models:step_fp16", [], 0),                          # departs, but not asked
+    ("capture_models:step_fp16", ["--fail-on", "departs"], 4),
+    ("capture_models:step_fp16", ["--fail-on", "not-reproduced"], 0),
+    ("capture_models:step_perturbed", ["--fail-on", "not-reproduced"], 3),
+    ("capture_models:step_perturbed", ["--fail-on", "departs,not-reproduced"], 3),
+    ("capture_models:step_perturbed", ["--fail-on", "departs", "--fail-on", "departs"], 4),
+], ids=["not-asked", "departs", "reproduces", "not-reproduced", "both-3-first", "repeated"])
+def test_exit_status_follows_the_verdict(bundle, tmp_path, capsys, step_fn, fail_on, status):
+    out = tmp_path / "r.json"
+    argv = ["replay", str(bundle), "--no-progress", "--model-factory", "capture_models:build",
+            "--step-fn", step_fn, "--json", str(out), *fail_on]
+    assert cli.main(argv) == status
+    r = json.loads(out.read_text())                 # the report is written whatever the status
+    assert r["first_divergent_module"] == "fc2"
+    assert r["reproduces"] is (step_fn == "capture_models:step_fp16")
+    assert "first divergent module: fc2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--fail-on", "diverges"], "diverges: expected not-reproduced or departs"),
+    (["--fail-on", ""], "'': expected not-reproduced or departs"),
+    (["--tol", "0"], "'0' is not a positive number"),
+    (["--tol", "x"], "'x' is not a positive number"),
+], ids=["unknown-fail-on", "empty-fail-on", "tol-0", "tol-not-a-number"])
+def test_bad_replay_arguments_exit_2(bundle, capsys, argv, words):
+    with pytest.raises(SystemExit) as ei:     # before anything is read or imported
+        cli.main(["replay", str(bundle), "--model", "capture_models:build", "--step-fn",
+                  "capture_models:step_fp16", *argv])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "usage" in err and words in err, err
+
+
+def test_bad_json_destination_is_refused_before_running(bundle, tmp_path, capsys):
+    assert cli.main(["replay", str(bundle), *FLAGS, "--no-progress", "--json",
+                     str(tmp_path / "no" / "such" / "dir" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and len(err.strip().splitlines()) == 1
+
+
+# -- the console script, from the directory that holds the user's model module ----------------
+def console_script(tmp_path: Path) -> list[str]:
+    """The installed `stabilitywatch` script of this interpreter, or the wrapper pip writes for
+    pyproject's [project.scripts] entry (either way sys.path[0] is the script's directory, not
+    the working directory)."""
+    import tomllib
+
+    entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entry["stabilitywatch"] == "stabilitywatch.cli:main"
+    exe = Path(sys.executable).parent / "stabilitywatch"
+    if exe.is_file() and "from stabilitywatch.cli import main" in exe.read_text():
+        return [sys.executable, str(exe)]
+    script = tmp_path / "bin" / "stabilitywatch"
+    script.parent.mkdir()
+    script.write_text("import re\nimport sys\nfrom stabilitywatch.cli import main\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    return [sys.executable, str(script)]
+
+
+def test_console_script_finds_the_factory_in_the_working_directory(bundle, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    src = (REPO / "tests" / "capture_models.py").read_text()
+    (work / "my_models.py").write_text(src)
+    # the module the capture records is also here: without --trust-recorded it stays unread
+    (work / "capture_models.py").write_text(src + "\nopen('recorded-module-imported', 'w')\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}         # the user's directory is not on it
+    r = subprocess.run([*console_script(tmp_path), "replay", str(bundle), "--model-factory",
+                        "my_models:build", "--step-fn", "my_models:step_fp16", "--json",
+                        "out.json", "--no-progress"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((work / "out.json").read_text())
+    assert rep["reproduces"] is True and rep["first_divergent_module"] == "fc2"
+    assert not (work / "recorded-module-imported").exists()
