@@ -161,6 +161,14 @@ def test_recorded_optimizer_class_outside_torch_optim_classes(copy):
                   step_fn="capture_models:step_fp16")
 
 
+def test_names_given_serve_when_the_run_recorded_none(copy, capsys):
+    reseal(copy, lambda m: m.update(model_factory=None, step_fn=None))
+    refused(capsys, ["replay", str(copy), "--no-progress", "--trust-recorded"],
+            "the capture records no model factory: pass --model-factory PKG.MOD:FN")
+    assert cli.main(["replay", str(copy), "--no-progress", *FLAGS, "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_divergent_module"] == "fc2"
+
+
 def test_trust_recorded_runs_the_recorded_names(bundle):
     # the positive control: confirmed names run, and the result is the normal report
     r = sw.replay(bundle, progress=False, trust_recorded=True)

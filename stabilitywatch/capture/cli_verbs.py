@@ -91,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # bundle errors, and whatever the user's model code raises
+        from .report import printable
+
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
-        print(f"stabilitywatch {args.cmd}: error: {kind}{msg}", file=sys.stderr)
+        print(printable(f"stabilitywatch {args.cmd}: error: {kind}{msg}"), file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -206,7 +206,7 @@ def _replay_commands(cap: Any) -> list[str]:
     """The recorded names (text, never imported here) and the command lines that replay them."""
     import shlex
 
-    from .rerun import is_import_path, shown
+    from .trust import is_import_path, shown
 
     m = cap.manifest
     names = {k: m.get(k) for k in ("model_factory", "step_fn")}
