@@ -3,6 +3,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,15 @@ def test_progress_line_on_stderr(bundle, capsys, monkeypatch):
                   "[3/6] re-running the step as recorded", "[4/6] recording the low-precision run",
                   "[5/6] recording the fp64 run", "[6/6] comparing module by module"):
         assert f"\rreplay {phase}" in err, err
+
+
+def test_inspect_progress_while_verifying(bundle, capsys, monkeypatch):
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert cli.main(["inspect", str(bundle)]) == 0
+    assert "\rinspect [1/1] verifying checksums" in tty.getvalue()
+    assert re.search(r"\d of \d+\.\d [kMG]B", tty.getvalue())  # bytes hashed of the total
+    assert "checksums OK" in capsys.readouterr().out
 
 
 def test_inspect(bundle, capsys):

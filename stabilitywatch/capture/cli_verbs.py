@@ -79,7 +79,8 @@ def add_parsers(sub) -> None:
     i.add_argument("--json", metavar="FILE", default=None,
                    help="write the manifest (verified) to FILE ('-': stdout)")
     i.add_argument("--no-progress", action="store_true",
-                   help="no progress line on stderr (shown on a terminal only)")
+                   help="no progress line on stderr (in a log: only when verifying takes "
+                        "longer than 1 s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,8 +104,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .reader import open_capture
     from .report import Progress, inspect_text
 
-    bar = Progress(total=1, name="inspect")
-    bar.enabled = bar.tty and not args.no_progress
+    bar = Progress(total=1, name="inspect", enabled=not args.no_progress)
     try:
         bar.phase("verifying checksums")
         cap = open_capture(args.capture, progress=bar.amount)

@@ -49,7 +49,9 @@ class Progress:
     def amount(self, done: int, total: int) -> None:
         """Bytes done of total in the current phase."""
         if total:
-            self._detail(f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            unit, div = next((u, d) for u, d in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+                             if total >= d or u == "kB")
+            self._detail(f"{done / div:.1f} of {total / div:.1f} {unit}")
 
     def close(self) -> None:
         self._stop.set()
