@@ -115,8 +115,9 @@ def open_capture(path: "str | Path",
                                f"or altered")
         try:
             manifest = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CaptureError(f"{p}: {MANIFEST} is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CaptureError(f"{p}: {MANIFEST} is not valid JSON ({why})") from None
         _check_manifest(p, manifest, sums)
         files = manifest["files"]
         total, done = sum(f["bytes"] for f in files.values()), 0
