@@ -49,6 +49,7 @@ def test_round_trip_reproduces_and_names_the_module(bundle, tmp_path):
     assert set(fc1) >= {"rel_l2", "sqnr_db", "cosine", "max_abs_err"}
     saved = json.loads(out.read_text())
     assert saved["reproduces"] is True and saved["first_divergent_module"] == "fc2"
+    assert saved["ran"] == NAMES                        # what ran, as named
     assert r["upcast"] is None
 
 

@@ -68,7 +68,7 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         report: dict[str, Any] = {
             "capture": str(cap.path), "step": cap.step, "rank": m["rank"],
             "device": str(setup.device), "recorded_device": _dev_name(m.get("device") or {}),
-            "versions": m.get("versions"), "alerts": m["alerts"],
+            "versions": m.get("versions"), "alerts": m["alerts"], "ran": setup.names,
         }
         bar.phase("re-running the step as recorded")
         frame, base_alerts, _ = setup.run_monitored()

@@ -117,6 +117,9 @@ def _num(v: Any, fmt: str = ".3g") -> str:
 def replay_text(r: dict) -> str:
     out = [f"capture: {r['capture']} (step {r['step']}, rank {r['rank']}; recorded on "
            f"{r['recorded_device']}, replayed on {r['device']})"]
+    if r.get("ran"):
+        out.append(f"  ran: model_factory {r['ran']['model_factory']}, step_fn "
+                   f"{r['ran']['step_fn']}")
     rank = {"critical": 0, "warning": 1, "info": 2}
     alerts = sorted(r["alerts"], key=lambda a: rank.get(a["severity"], 3))
     for a in alerts[:4]:

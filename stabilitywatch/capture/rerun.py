@@ -49,6 +49,7 @@ class Setup:
                                "--model-factory")
         step, sname = pick(step_fn, trusted.get("step_fn"), "step function", "--step-fn")
         self.step_fn = checked_step(step, sname)
+        self.names = {"model_factory": fname, "step_fn": sname}   # what runs, for the report
         checked = checked_factory(factory, fname)
         first = [checked()]   # a factory that returns something else fails before anything runs
 
