@@ -8,6 +8,10 @@ from typing import Any, Optional
 
 SCHEMA_VERSION = 1
 
+# Every value an alert's `detector` can take: the one list that Config.capture's triggers are
+# checked against. A new detector adds its name here.
+DETECTORS = ("nonfinite", "overflow", "underflow", "drift", "spike", "shadow", "divergence")
+
 
 class Severity(str, enum.Enum):
     INFO = "info"

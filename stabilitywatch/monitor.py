@@ -29,6 +29,8 @@ from .hooks.selectors import select_modules
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
+from .observe_args import check_observe
+from .rundir import fresh_run_dir
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
 from .sinks.factory import make_sinks
@@ -68,11 +70,14 @@ class Monitor:
         self.world_size = world
         if run_dir is None:
             run_dir = Path("runs") / time.strftime("stabilitywatch-%Y%m%d-%H%M%S")
-        self.run_dir = Path(run_dir)
+        # a directory that holds a previous run is not appended to (rundir.py)
+        self.run_dir = fresh_run_dir(run_dir, self.rank, self.world_size)
         self.alerts: list[Alert] = []
         self.frames_seen = 0
         self._closed = False
         self._step: Optional[int] = None
+        self._last_step: Optional[int] = None   # the number of the last step begun
+        self._depth = 0                          # `with mon.step()` blocks open, nested ones too
         self._on: frozenset[Role] = frozenset()
         self._warned: set[str] = set()
         self._scales: dict[str, float] = {}   # role -> config.scale_for(role)
@@ -112,20 +117,55 @@ class Monitor:
     @contextlib.contextmanager
     def step(self, step: int, batch: Any = None) -> Iterator["Monitor"]:
         """One training step. Tensors are read on the steps the schedule samples; the rows of a
-        step are read on the host one step later (or at close())."""
+        step are read on the host one step later (or at close()).
+
+        Usage slips warn once each and never stop training: a step number that repeats the last
+        one or goes backwards is used as given; a block opened inside another step's block is
+        part of that outer step (the outer step's number counts, the inner `batch` is not kept,
+        and the step ends when the outer block ends)."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"Monitor.step: step must be an int, got {type(step).__name__}")
         if self._closed:
             raise RuntimeError("Monitor.step: the monitor is closed")
+        if self._depth and self._step is not None:
+            self._warn_once("step:nested", f"mon.step({step}) was entered inside the block of "
+                            f"step {self._step}: steps do not nest; its tensors count as step "
+                            f"{self._step}, which ends with the outer block")
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        self._check_order(step)
         self._begin(step, batch)
+        self._depth = 1
         try:
             yield self
         finally:
+            self._depth = 0
             self._end()
+
+    def _check_order(self, step: int) -> None:
+        last, self._last_step = self._last_step, step
+        if last is None or step > last:
+            return
+        if step == last:
+            self._warn_once("step:repeat", f"mon.step({step}) repeats step {last}: each step "
+                            f"number should be used once; both are recorded as step {step}")
+        else:
+            self._warn_once("step:backwards", f"mon.step({step}) comes after step {last}: step "
+                            f"numbers go backwards; recorded as given (detectors see the steps "
+                            f"in call order)")
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record the loss of the current step (no host sync)."""
-        if self._step is None or not isinstance(loss, torch.Tensor):
+        if not isinstance(loss, torch.Tensor):
+            if loss is not None:  # a float (loss.item()) has no device row to go to
+                self._warn_once("observe_loss", f"observe_loss needs the loss tensor, got "
+                                f"{type(loss).__name__}; not recorded")
+            return
+        if self._step is None:
             return
         if Role.LOSS in self._on:
             self._safe_record(loss.detach(), "", "loss", Phase.LOSS, False)
@@ -134,9 +174,11 @@ class Monitor:
                 scale: "float | torch.Tensor | None" = None) -> None:
         """Record a tensor the training code computes itself (an FP8 cast, a scale, an amax
         history) as (module, role) of the current step, on sampled steps; `scale` overrides
-        Config.scales for the format counts (a 0-dim device tensor is fine). No host sync."""
-        if not isinstance(tensor, torch.Tensor) or not isinstance(role, str) or not role:
-            raise TypeError("Monitor.observe(tensor, role): a torch.Tensor and a role name")
+        Config.scales for the format counts (a 0-dim device tensor is fine). No host sync.
+
+        The arguments are checked on every call, inside a step or not (observe_args.py): a bad
+        one raises TypeError/ValueError naming it, and nothing is recorded."""
+        check_observe(tensor, role, module, scale)
         if self._step is None or not (self._on - {Role.LOSS}):
             return
         phase = Phase.BACKWARD if "grad" in role else Phase.FORWARD
@@ -186,6 +228,7 @@ class Monitor:
             raise TypeError(f"Monitor.begin_step: step must be an int, got {type(step).__name__}")
         if self._closed:
             raise RuntimeError("Monitor.begin_step: the monitor is closed")
+        self._check_order(step)
         self._begin(step, batch)
 
     def end_step(self) -> None:

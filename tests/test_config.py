@@ -517,3 +517,58 @@ def test_schedule_only_enabled_roles():
 def test_schedule_large_steps():
     s = Schedule(Config(every=1000, warmup=10))
     assert Role.OUTPUT in s.roles_at(41_000) and Role.OUTPUT not in s.roles_at(41_237)
+
+
+# -- capture triggers: detectors and severities checked, with the closest match ----------------
+
+@pytest.mark.parametrize("entry, needle", [
+    ("critcal", "neither a severity .* nor a detector .*did you mean 'critical'\\?"),
+    ("Critical", "did you mean 'critical'\\?"),
+    ("warnign", "did you mean 'warning'\\?"),
+    ("nonfinte", "did you mean 'nonfinite'\\?"),
+    ("nonfinite:critcal", "severity must be one of .*did you mean 'critical'\\?"),
+    ("ovreflow:warning", "unknown detector 'ovreflow'.*did you mean 'overflow'\\?"),
+    ("range:warning", "unknown detector 'range'"),
+    ("frobnicate", "'frobnicate' is neither"),
+    (":warning", "unknown detector ''"),
+    ("nonfinite:", "severity must be one of"),
+], ids=["severity-typo", "severity-case", "warning-typo", "detector-typo", "pair-severity-typo",
+        "pair-detector-typo", "internal-name", "unknown", "empty-detector", "empty-severity"])
+def test_capture_trigger_typos_raise_with_a_suggestion(entry, needle):
+    with pytest.raises(ValueError, match=needle):
+        Config(capture=(entry,))
+
+
+def test_capture_trigger_without_close_match_has_no_suggestion():
+    with pytest.raises(ValueError) as ei:
+        Config(capture=("frobnicate",))
+    assert "did you mean" not in str(ei.value)
+
+
+def test_capture_triggers_accept_every_detector_and_severity():
+    from stabilitywatch.alert import DETECTORS
+    from stabilitywatch.capture.policy import SEVERITIES, matches, triggers
+    entries = list(SEVERITIES) + list(DETECTORS) + [f"{d}:{s}" for d in DETECTORS + ("*",)
+                                                    for s in SEVERITIES]
+    assert Config(capture=entries).capture == tuple(entries)
+    trig = triggers(["critical", "overflow:warning"])
+    assert matches(trig, "spike", "critical") and matches(trig, "overflow", "warning")
+    assert not matches(trig, "spike", "warning") and not matches(trig, "overflow", "info")
+
+
+def test_detector_names_list_holds_every_detector_the_package_emits():
+    """alert.DETECTORS is the one list Config.capture is checked against: every `detector=` an
+    Alert is built with in the package, and every Detector's `name`, must be in it."""
+    import pathlib
+    import re
+    import stabilitywatch
+    from stabilitywatch.alert import DETECTORS
+    root = pathlib.Path(stabilitywatch.__file__).parent
+    literal, named = set(), set()
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        literal |= set(re.findall(r'detector="(\w+)"', text))
+        if "detector=self.name" in text:
+            named |= set(re.findall(r'^    name = "(\w+)"', text, re.M))
+    assert {"overflow", "underflow"} <= literal and {"nonfinite", "drift", "divergence"} <= named
+    assert (literal | named) - set(DETECTORS) == set()

@@ -97,7 +97,12 @@ def test_nan_weight_is_named_and_replayed(tmp_path):
     assert (first.step, first.detector, first.module, first.tensor) == \
         (2, "nonfinite", "transformer.h.0.mlp.c_fc", "weight")
     assert first.capture is not None
-    report = sw.replay(tmp_path / "sw" / first.capture, progress=False)
+    # the bundle records both functions; replay runs those the user names
+    manifest = json.loads((tmp_path / "sw" / first.capture / "manifest.json").read_text())
+    assert (manifest["model_factory"], manifest["step_fn"]) == \
+        ("tests.test_integrations_hf:build_model", "stabilitywatch.integrations.hf:replay_step")
+    report = sw.replay(tmp_path / "sw" / first.capture, model_factory=manifest["model_factory"],
+                       step_fn=manifest["step_fn"], progress=False)
     assert report["step"] == 2
     assert report["reproduces"] is True, report["reproduce"]
 

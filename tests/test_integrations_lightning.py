@@ -132,7 +132,12 @@ def test_nan_weight_is_named_and_replayed(tmp_path):
         (3, "nonfinite", "net.2", "weight")
     assert first.capture is not None
     # the capture holds both micro-batches; replay re-runs the step with the default step_fn
-    report = sw.replay(tmp_path / "sw" / first.capture, progress=False)
+    # the bundle records both functions; replay runs those the user names
+    manifest = json.loads((tmp_path / "sw" / first.capture / "manifest.json").read_text())
+    assert (manifest["model_factory"], manifest["step_fn"]) == \
+        ("tests.test_integrations_lightning:build_model", "stabilitywatch.integrations.lightning:replay_step")
+    report = sw.replay(tmp_path / "sw" / first.capture, model_factory=manifest["model_factory"],
+                       step_fn=manifest["step_fn"], progress=False)
     assert report["reproduces"] is True
     assert report["step"] == 3
 

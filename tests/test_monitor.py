@@ -346,3 +346,77 @@ def test_bad_step_argument(tmp_path):
         with pytest.raises(TypeError, match="step must be an int"):
             with mon.step("3"):
                 pass
+
+
+# -- step numbers: repeats, steps going backwards and nested blocks warn once each --------------
+
+def _step_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "mon.step(" in r.getMessage()]
+
+
+def _one_step(mon, model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    mon.observe_loss(loss)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("order, kind, needle", [
+    ([0, 1, 1, 2, 2], "repeat", "mon.step(1) repeats step 1"),
+    ([0, 5, 3, 4, 1], "backwards", "mon.step(3) comes after step 5: step numbers go backwards"),
+], ids=["repeated", "backwards"])
+def test_step_numbers_that_repeat_or_go_backwards_warn_once(tmp_path, caplog, order, kind, needle):
+    model, opt = make()
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        with sw.watch(model, opt, config=cfg(), run_dir=tmp_path) as mon:
+            for step, x in zip(order, batches(len(order))):
+                with mon.step(step, batch=x):
+                    _one_step(mon, model, opt, x)
+    warned = _step_warnings(caplog)
+    assert len(warned) == 1 and needle in warned[0], warned
+    assert mon.frames_seen == len(order) and not mon.taps._failed   # every step recorded
+    steps = [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl") if r["tensor"] == "loss"]
+    assert steps == order
+
+
+def test_nested_step_joins_the_outer_step_and_warns_once(tmp_path, caplog):
+    model, opt = make()
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        with sw.watch(model, opt, config=cfg(), run_dir=tmp_path) as mon:
+            for step, x in enumerate(batches(3)):
+                with mon.step(step, batch=x):
+                    with mon.step(100 + step) as inner:     # a usage slip: steps do not nest
+                        assert inner is mon
+                        loss = model(x).square().mean()
+                        loss.backward()
+                    mon.observe_loss(loss)                    # after the inner block: still step
+                    opt.step()
+                    opt.zero_grad()
+    warned = _step_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "mon.step(100) was entered inside the block of step 0" in warned[0]
+    recs = read_jsonl(tmp_path / "stats.jsonl")
+    assert sorted({r["step"] for r in recs}) == [0, 1, 2]     # no step 100..102
+    for step in range(3):
+        keys = {(r["module"], r["tensor"]) for r in recs if r["step"] == step}
+        # the inner block's forward/backward and the outer block's optimizer step, one step
+        assert {("fc2", "output"), ("fc2", "grad_output"), ("fc2", "grad"),
+                ("fc2", "optim.exp_avg"), ("", "loss"), ("", "input")} <= keys
+    assert mon.frames_seen == 3
+
+
+def test_observe_loss_of_a_non_tensor_warns_once(tmp_path, caplog):
+    model, opt = make()
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        with sw.watch(model, opt, config=cfg(), run_dir=tmp_path) as mon:
+            for step, x in enumerate(batches(2)):
+                with mon.step(step, batch=x):
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    mon.observe_loss(loss.item())
+                    mon.observe_loss(None)                    # no loss this step: quiet
+                    opt.step()
+                    opt.zero_grad()
+    warned = [r.getMessage() for r in caplog.records if "observe_loss" in r.getMessage()]
+    assert len(warned) == 1 and "float" in warned[0], warned

@@ -1,9 +1,10 @@
 """Module selection: default (leaf modules that own parameters), globs, types, predicate,
-exclude, errors on globs that match nothing, named_modules() order."""
+exclude, errors on globs or types that match nothing and on selections that watch nothing,
+named_modules() order."""
 import pytest
 import torch.nn as nn
 
-from stabilitywatch.config import Config
+from stabilitywatch.config import Config, Role
 from stabilitywatch.hooks.selectors import select_modules
 
 
@@ -82,8 +83,9 @@ def test_default_single_leaf_model():
     assert names(m) == [""]
 
 
-def test_default_parameter_free_model_selects_nothing():
-    assert names(nn.Sequential(nn.ReLU(), nn.GELU())) == []
+def test_default_parameter_free_model_is_an_error():
+    with pytest.raises(ValueError, match="default.*watches no module.*'0', '1'.*ReLU, GELU"):
+        names(nn.Sequential(nn.ReLU(), nn.GELU()))
 
 
 @pytest.mark.parametrize("modules, expected", [
@@ -128,9 +130,8 @@ def test_glob_matching_nothing_raises(model, modules, missing):
     (["MLP"], ["blocks.0.mlp", "blocks.1.mlp"]),                   # a user class by name
     ([MLP], ["blocks.0.mlp", "blocks.1.mlp"]),
     (["Module"], None),                                            # base class name: everything
-    (["Conv2d"], []),                                              # no match: no error for types
 ], ids=["class", "class-name", "qualified-name", "class-and-name", "user-class-name",
-        "user-class", "base-class-name", "no-match"])
+        "user-class", "base-class-name"])
 def test_module_types(model, types, expected):
     got = names(model, module_types=types)
     if expected is None:
@@ -155,7 +156,7 @@ def test_select_predicate(model):
 
 def test_select_predicate_receives_name_and_module(model):
     seen = []
-    select_modules(model, Config(select=lambda n, m: seen.append((n, m)) or False))
+    select_modules(model, Config(select=lambda n, m: seen.append((n, m)) or n == "head"))
     assert seen == list(model.named_modules())
 
 
@@ -173,7 +174,8 @@ def test_union_of_globs_types_and_predicate(model):
       "seq.0", "seq.2", "scaled.inner", "head"]),
     ({"modules": ["*fc*"], "exclude": ["blocks.1.*"]}, ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]),
     ({"module_types": [nn.Linear], "exclude": ["seq.*", "blocks.*"]}, ["scaled.inner", "head"]),
-    ({"select": lambda n, m: True, "exclude": ["*"]}, []),
+    ({"select": lambda n, m: n != "head", "exclude": ["*.*"]}, ["", "embed", "blocks", "seq",
+                                                                "scaled"]),
     ({"exclude": ["nothing-like-this"]}, DEFAULT),                  # excluding nothing is fine
 ], ids=["default-minus-head", "default-minus-blocks", "two-patterns", "with-globs",
         "with-types", "with-predicate", "exclude-matches-nothing"])
@@ -183,7 +185,8 @@ def test_exclude(model, kw, expected):
 
 def test_exclude_does_not_call_predicate_on_excluded(model):
     seen = []
-    select_modules(model, Config(select=lambda n, m: seen.append(n) or False, exclude=["blocks*"]))
+    select_modules(model, Config(select=lambda n, m: seen.append(n) or n == "head",
+                                 exclude=["blocks*"]))
     assert seen and not any(n.startswith("blocks") for n in seen)
 
 
@@ -208,3 +211,56 @@ def test_shared_module_listed_once():
     shared = nn.Linear(3, 3)
     m = nn.Sequential(shared, nn.ReLU(), shared)
     assert names(m) == ["0"]            # named_modules() deduplicates; so does the selection
+
+
+# -- selections that watch nothing, entries that match nothing ---------------------------------
+
+@pytest.mark.parametrize("types, missing", [
+    (["LayerNrom"], "LayerNrom"),                                  # a misspelt class name
+    ([nn.Linear, "Conv2d"], "Conv2d"),                             # one of two
+    ([nn.Conv2d], "Conv2d"),                                       # a class the model lacks
+], ids=["typo", "one-of-two", "class"])
+def test_module_type_matching_nothing_raises(model, types, missing):
+    with pytest.raises(ValueError) as ei:
+        names(model, module_types=types)
+    msg = str(ei.value)
+    assert f"module_types ['{missing}'] match no module" in msg
+    assert ("did you mean 'LayerNorm'?" in msg) == (missing == "LayerNrom")
+    assert "LayerNorm" in msg and "Linear" in msg                 # shows the model's types
+    assert "\n" not in msg
+
+
+def test_module_type_matching_only_excluded_modules_names_the_exclude(model):
+    with pytest.raises(ValueError, match=r"exclude=\('\*\.ln',\).*watches no module"):
+        names(model, module_types=["LayerNorm"], exclude=["*.ln"])
+
+
+@pytest.mark.parametrize("kw, asked", [
+    ({"exclude": ["*"]}, "exclude=('*',)"),
+    ({"select": lambda n, m: False}, "select="),
+    ({"modules": ["head"], "exclude": ["he*"]}, "modules=('head',), exclude=('he*',)"),
+], ids=["exclude-everything", "select-never-true", "glob-then-excluded"])
+def test_selection_of_no_module_raises(model, kw, asked):
+    with pytest.raises(ValueError) as ei:
+        names(model, **kw)
+    msg = str(ei.value)
+    assert "watches no module of the model" in msg and asked in msg
+    assert "'embed'" in msg and "Embedding" in msg                # names and types to pick from
+    assert "roles=('loss',)" in msg                                # how to ask for it on purpose
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("kw", [{"exclude": ["*"]}, {"select": lambda n, m: False}],
+                         ids=["exclude-everything", "select-never-true"])
+def test_loss_only_config_may_select_nothing(model, kw):
+    assert names(model, roles=(Role.LOSS,), **kw) == []
+    assert names(nn.Sequential(nn.ReLU()), roles=("loss",)) == []
+    with pytest.raises(ValueError, match="watches no module"):   # one module role: an error
+        names(model, roles=(Role.LOSS, Role.WEIGHT), **kw)
+
+
+def test_loss_only_config_still_refuses_typos(model):
+    with pytest.raises(ValueError, match="hed"):
+        names(model, roles=("loss",), modules=["hed"])
+    with pytest.raises(ValueError, match="LayerNrom"):
+        names(model, roles=("loss",), module_types=["LayerNrom"])

@@ -4,8 +4,11 @@ state is kept, where it is kept, and what happens when the limits are reached.
 No torch import here: config.py imports this module."""
 from __future__ import annotations
 
+import difflib
 import enum
 from typing import Any
+
+from ..alert import DETECTORS
 
 SEVERITIES = ("info", "warning", "critical")
 SEV_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -32,19 +35,33 @@ class Retention(str, enum.Enum):
 
 
 def parse_trigger(entry: Any) -> tuple[str, int]:
-    """'critical' -> ('*', 2); 'overflow' -> ('overflow', 0); 'nonfinite:warning' -> ('nonfinite', 1).
-    A severity means 'at or above it'."""
+    """'critical' -> ('*', 2); 'overflow' -> ('overflow', 0); 'nonfinite:warning' ->
+    ('nonfinite', 1); '*:warning' -> ('*', 1). A severity means 'at or above it'. Detector
+    names are those of alert.DETECTORS; an unknown name or severity raises ValueError with the
+    closest match."""
     if not isinstance(entry, str) or not entry or entry.count(":") > 1:
         raise ValueError(f"Config.capture entries must be 'SEVERITY', 'DETECTOR' or "
                          f"'DETECTOR:SEVERITY' strings, got {entry!r}")
-    det, _, sev = entry.partition(":")
-    if not sev and det in SEV_RANK:
-        return "*", SEV_RANK[det]
-    if not det:
-        raise ValueError(f"Config.capture entry {entry!r}: empty detector name")
-    if sev and sev not in SEV_RANK:
-        raise ValueError(f"Config.capture entry {entry!r}: severity must be one of {SEVERITIES}")
-    return det, SEV_RANK[sev] if sev else 0
+    det, colon, sev = entry.partition(":")
+    if not colon:
+        if det in SEV_RANK:
+            return "*", SEV_RANK[det]
+        if det in DETECTORS:
+            return det, 0
+        raise ValueError(f"Config.capture entry {entry!r} is neither a severity {SEVERITIES} nor "
+                         f"a detector {DETECTORS}{_did_you_mean(det, SEVERITIES + DETECTORS)}")
+    if det != "*" and det not in DETECTORS:
+        raise ValueError(f"Config.capture entry {entry!r}: unknown detector {det!r}; expected "
+                         f"one of {DETECTORS} or '*'{_did_you_mean(det, DETECTORS)}")
+    if sev not in SEV_RANK:
+        raise ValueError(f"Config.capture entry {entry!r}: severity must be one of "
+                         f"{SEVERITIES}{_did_you_mean(sev, SEVERITIES)}")
+    return det, SEV_RANK[sev]
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word.lower(), choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def triggers(entries) -> list[tuple[str, int]]:

@@ -35,31 +35,40 @@ SUM_RTOL = 1e-13
 
 
 def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = None,
-           step_fn: "str | Callable | None" = None, device: Optional[str] = None,
-           upcast: Sequence[str] = (), reference: str = "fp64", tol: float = 0.1,
-           emulate_formats: bool = True, optimizer: Optional[Callable] = None,
+           step_fn: "str | Callable | None" = None, trust_recorded: bool = False,
+           device: Optional[str] = None, upcast: Sequence[str] = (), reference: str = "fp64",
+           tol: float = 0.1, emulate_formats: bool = True, optimizer: Optional[Callable] = None,
            progress: Optional[bool] = None, json_file: "str | Path | None" = None) -> dict:
     """Replay a capture bundle; returns the report (a JSON-able dict). See the module docstring
-    and the README's "Post-mortem" section. Raises CaptureError (a ValueError) for a missing,
-    truncated or tampered bundle, or a model/step function that cannot be imported."""
+    and the README's "Post-mortem" section.
+
+    A bundle is untrusted: replay runs `model_factory` and `step_fn` as you give them (import
+    paths 'pkg.mod:fn' or callables); the names recorded in the bundle are used only with
+    `trust_recorded=True` (after reading them in `stabilitywatch inspect`). Raises CaptureError
+    (a ValueError) for a missing, truncated or tampered bundle, for code not named, or for a
+    model factory or step function that cannot be imported or returns the wrong thing."""
     if reference not in REF_DTYPES:
         raise ValueError(f"replay: reference must be one of {sorted(REF_DTYPES)}, got {reference!r}")
     if not (isinstance(tol, (int, float)) and tol > 0):
         raise ValueError(f"replay: tol must be a positive number, got {tol!r}")
+    if not isinstance(trust_recorded, bool):
+        raise ValueError(f"replay: trust_recorded must be True or False, got {trust_recorded!r}")
     upcast = (upcast,) if isinstance(upcast, str) else tuple(upcast)
     t0 = time.perf_counter()
-    bar = Progress(total=4 + bool(upcast), enabled=True if progress is None else progress)
+    bar = Progress(total=6 + bool(upcast), enabled=True if progress is None else progress)
     if progress is None:
         bar.enabled = bar.tty
     try:
         bar.phase("verifying the bundle")
-        cap = open_capture(capture)
-        setup = Setup(cap, model_factory, step_fn, device, optimizer)
+        cap = open_capture(capture, progress=bar.amount)
+        bar.phase("building the model and loading the captured state")
+        setup = Setup(cap, model_factory, step_fn, device, optimizer,
+                      trust_recorded=trust_recorded)
         m = cap.manifest
         report: dict[str, Any] = {
             "capture": str(cap.path), "step": cap.step, "rank": m["rank"],
             "device": str(setup.device), "recorded_device": _dev_name(m.get("device") or {}),
-            "versions": m.get("versions"), "alerts": m["alerts"],
+            "versions": m.get("versions"), "alerts": m["alerts"], "ran": setup.names,
         }
         bar.phase("re-running the step as recorded")
         frame, base_alerts, _ = setup.run_monitored()
@@ -69,8 +78,9 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         bar.phase("recording the low-precision run")
         names = setup.modules or [n for n, _ in setup.model().named_modules() if n]
         low = record(setup, names, None)
-        bar.phase(f"recording the {reference} run and comparing")
+        bar.phase(f"recording the {reference} run")
         ref = record(setup, names, REF_DTYPES[reference])
+        bar.phase("comparing module by module")
         rows = compare(low, ref, setup.config(), tol, emulate_formats, progress=bar.sub)
         first = next((r for r in rows if r["divergent"]), None)
         report.update(reference_dtype=reference, tolerance=tol, emulate_formats=emulate_formats,

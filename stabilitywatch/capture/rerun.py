@@ -1,15 +1,14 @@
 """Re-running a captured step: rebuild the model and optimizer from the bundle, restore RNG and
 batch, and run `step_fn(model, batch) -> loss`, backward and the optimizer step.
 
-Imports happen here only: the model factory and step function named in the manifest (or given
-by the user) are imported when a replay runs; opening or inspecting a bundle imports nothing.
+The model factory and step function are the user's (trust.py decides which names may be
+imported, and checks what they return); opening or inspecting a bundle imports nothing.
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
 import glob
-import importlib
 import random
 import tempfile
 from typing import Any, Callable, Optional
@@ -19,25 +18,10 @@ import torch
 import torch.nn as nn
 
 from .reader import Capture, CaptureError, rng_numpy, rng_python
+from .trust import checked_factory, checked_step, pick, torch_optimizer, untrusted_message
 from .treeio import config_from_json, decode_tree
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def resolve(path: Optional[str], what: str) -> Callable:
-    if not path or not isinstance(path, str) or ":" not in path:
-        raise CaptureError(f"no {what} to replay with: the capture records {path!r}; pass an "
-                           f"import path 'package.module:function'")
-    mod_name, _, attr = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise CaptureError(f"cannot import {what} {path!r} ({type(e).__name__}: {e})") from None
-    if not callable(obj):
-        raise CaptureError(f"{what} {path!r} is not callable")
-    return obj
 
 
 class Setup:
@@ -45,13 +29,11 @@ class Setup:
 
     def __init__(self, cap: Capture, model_factory: "str | Callable | None" = None,
                  step_fn: "str | Callable | None" = None, device: Optional[str] = None,
-                 optimizer: Optional[Callable] = None):
+                 optimizer: Optional[Callable] = None, trust_recorded: bool = False):
         m = cap.manifest
         self.cap, self.step = cap, cap.step
-        self.factory = model_factory if callable(model_factory) else \
-            resolve(model_factory or m.get("model_factory"), "model factory")
-        self.step_fn = step_fn if callable(step_fn) else \
-            resolve(step_fn or m.get("step_fn"), "step function")
+        if not trust_recorded and (model_factory is None or step_fn is None):
+            raise CaptureError(untrusted_message(model_factory is not None, step_fn is not None))
         recorded = (m.get("device") or {}).get("type", "cpu")
         if device is None:
             device = "cuda" if recorded == "cuda" and torch.cuda.is_available() else "cpu"
@@ -59,6 +41,21 @@ class Setup:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise CaptureError("--device cuda asked for, but no CUDA device is visible")
         self.optimizer_factory = optimizer
+        meta = m.get("optimizer")
+        self._opt_cls = torch_optimizer(meta.get("class")) if (
+            optimizer is None and isinstance(meta, dict)) else None
+        trusted = m if trust_recorded else {}
+        factory, fname = pick(model_factory, trusted.get("model_factory"), "model factory",
+                               "--model-factory")
+        step, sname = pick(step_fn, trusted.get("step_fn"), "step function", "--step-fn")
+        self.step_fn = checked_step(step, sname)
+        self.names = {"model_factory": fname, "step_fn": sname}   # what runs, for the report
+        checked = checked_factory(factory, fname)
+        first = [checked()]   # a factory that returns something else fails before anything runs
+
+        def build() -> nn.Module:
+            return first.pop() if first else checked()
+        self.factory = build
         self.state = cap.tensors("model")
         self.optim_state = cap.tensors("optimizer")
         self.modules = list(m.get("modules") or [])
@@ -100,12 +97,7 @@ class Setup:
         if self.optimizer_factory is not None:
             opt = self.optimizer_factory(groups)
         else:
-            cls_path = meta["class"]
-            mod, _, name = cls_path.rpartition(".")
-            if not mod.startswith("torch.optim"):
-                raise CaptureError(f"optimizer {cls_path} is not one of torch.optim's; pass "
-                                   f"optimizer=callable(param_groups) to replay()")
-            opt = getattr(importlib.import_module(mod), name)(groups)
+            opt = (self._opt_cls or torch_optimizer(meta["class"]))(groups)
         state: dict[int, dict] = {}
         for key, t in self.optim_state.items():
             i, _, k = key.partition(".")

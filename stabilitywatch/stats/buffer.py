@@ -198,19 +198,34 @@ class StatsBuffer:
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
-        _, row = self._prepare(t, module, role, phase, scale, overwrite)
-        accumulate(t, row, scale, self.backend)
+        slot, row = self._prepare(t, module, role, phase, scale, overwrite)
+        try:
+            accumulate(t, row, scale, self.backend)
+        except BaseException:
+            self._drop([slot])
+            raise
 
     def add_many(self, items: list, phase: int, overwrite: bool = False) -> None:
         """add() for each (tensor, module, role, scale) of items; the tensors at scale 1 that the
         kernel reads share one launch per device and dtype (kernels/stats_multi.py), and the
         large float32/bf16/fp16 ones another (kernels/tile_multi.py).
         The next call with the same tensors in the same order repeats those launches."""
+        writing: list[int] = []   # the slots this call has begun to write
+        try:
+            self._add_many(items, phase, overwrite, writing)
+        except BaseException:
+            # those rows hold partial sums now: none of them is read this step
+            self._plans.pop((phase, overwrite), None)
+            self._drop(writing)
+            raise
+
+    def _add_many(self, items: list, phase: int, overwrite: bool, writing: list) -> None:
         sig = _many_sig(items)
         plan = self._plans.get((phase, overwrite))
         if (sig is not None and plan is not None and plan.shape == sig[0]
                 and not any(s in self._touched for s in plan.slots)
                 and (plan.addrs == sig[1] or _rebind(plan, items, sig[1]))):
+            writing += plan.slots
             n = len(self._touched)
             for k, slot in enumerate(plan.slots):
                 self._touched[slot] = (phase, n + k)
@@ -226,12 +241,13 @@ class StatsBuffer:
             # a row written twice: the last write wins, as with add() one after the other (a
             # kept plan never has a row twice)
             for t, module, role, scale in items:
-                self.add(t, module, role, phase, scale, overwrite)
+                self.add(t, module, role, phase, scale, overwrite)   # drops its own row
             return
         groups: dict = {}
         slots, singles = [], []
         for k, (t, module, role, scale) in enumerate(items):
             slot, row = self._prepare(t, module, role, phase, scale, overwrite)
+            writing.append(slot)
             slots.append(slot)
             if batchable(t, scale, self.backend) or tileable(t, scale, self.backend):
                 if not viewable(t):  # the table would hold a temporary copy's address
@@ -254,14 +270,17 @@ class StatsBuffer:
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
-        # the slot of (module, role), made on first sight; its row made ready for this write
+        # the slot of (module, role), made on first sight; its row made ready for this write.
+        # What can fail (a bad scale, an allocation) runs before the step's bookkeeping changes:
+        # a failed call leaves no slot half-made and no row marked as written.
         key = (module, role)
         slot = self.slot_of.get(key)
         if slot is None:
             slot = self._new_slot(key, scale, phase)
-        if isinstance(scale, torch.Tensor):  # the value is known on the device only
-            self.tensor_scaled.add(slot)
         dev = self._rows_on(t.device)
+        if isinstance(scale, torch.Tensor):  # the value is known on the device only
+            dev.scale[slot].copy_(scale.detach().reshape(1))
+            self.tensor_scaled.add(slot)
         dev.mark(slot, slot + 1)
         if self.device_of[slot] is None:
             self.device_of[slot] = t.device
@@ -270,9 +289,17 @@ class StatsBuffer:
             self._touched[slot] = (phase, len(self._touched))
         elif overwrite:  # begin_step reset every row: only a second write this step needs this
             row.copy_(dev.init[slot])
-        if isinstance(scale, torch.Tensor):
-            dev.scale[slot].copy_(scale.detach().reshape(1))
         return slot, row
+
+    def _drop(self, slots) -> None:
+        """Forget this step's writes to `slots` (a write to them failed: what the rows hold is
+        unknown): the rows go back to the identity row and are not read this step."""
+        for slot in set(slots):
+            self._touched.pop(slot, None)
+            for dev in self._dev.values():
+                if slot < dev.rows.shape[0]:
+                    dev.mark(slot, slot + 1)
+                    dev.views[slot].copy_(dev.init[slot])
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
@@ -367,16 +394,21 @@ class StatsBuffer:
         return dev.rows, slot, self.scales[slot]
 
     def _new_slot(self, key: tuple[str, str], scale: float, phase: int = 0) -> int:
+        # every step that can fail (the scale's value, growing the rows) comes before the slot
+        # enters any of the per-slot lists, which must stay the same length
+        value = 1.0 if isinstance(scale, torch.Tensor) else float(scale)
         slot = len(self.keys)
+        if slot >= self._capacity:
+            capacity = max(2 * self._capacity, slot + 1)
+            for d in self._dev.values():
+                if d.rows.shape[0] < capacity:
+                    d.grow(capacity)
+            self._capacity = capacity
         self.phase_of.append(phase)
         self.keys.append(key)
-        self.scales.append(1.0 if isinstance(scale, torch.Tensor) else float(scale))
+        self.scales.append(value)
         self.device_of.append(None)
         self.slot_of[key] = slot
-        if slot >= self._capacity:
-            self._capacity = max(2 * self._capacity, slot + 1)
-            for d in self._dev.values():
-                d.grow(self._capacity)
         return slot
 
     def _rows_on(self, device: torch.device) -> _DeviceRows:
