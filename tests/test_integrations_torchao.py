@@ -196,20 +196,30 @@ def test_model_without_float8_layers_is_refused(tmp_path):
 
 
 def test_compiled_float8_model_is_read(tmp_path):
-    """torch.compile (aot_eager): the casts are read on sampled steps, as in eager mode."""
-    model = converted()
-    x, go = crafted(), crafted_grad()
-    compiled = torch.compile(model, backend="aot_eager")
-    cfg = sw.Config(every=2, warmup=0, sinks=("jsonl",))
-    with swao.watch_float8(model, config=cfg, run_dir=tmp_path) as mon:
-        for step in range(3):
-            with mon.step(step):
-                (compiled(x) * go).sum().backward()
-    recs = {(r["step"], r["module"], r["tensor"]): r["stats"]
-            for r in map(json.loads, open(tmp_path / "stats.jsonl"))}
-    assert (0, "0", "fp8.input") in recs and (2, "0", "fp8.grad_output") in recs
-    assert (1, "0", "fp8.input") not in recs
-    assert recs[(2, "0", "fp8.input")]["e4m3_underflow"] > 0.9 * x.numel()
+    """torch.compile (aot_eager): the casts are read on sampled steps, with the numbers of the
+    eager run, and not at all on the others."""
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(16, 32, generator=g) for _ in range(3)]
+    gos = [torch.randn(16, 16, generator=g) for _ in range(3)]
+    recs = {}
+    for mode in ("eager", "compiled"):
+        model = converted()
+        run_model = torch.compile(model, backend="aot_eager") if mode == "compiled" else model
+        cfg = sw.Config(every=2, warmup=0, sinks=("jsonl",))
+        with swao.watch_float8(model, config=cfg, run_dir=tmp_path / mode) as mon:
+            for step in range(3):
+                with mon.step(step):
+                    (run_model(xs[step]) * gos[step]).sum().backward()
+        assert not [a.line() for a in mon.alerts if a.severity != sw.Severity.INFO]
+        recs[mode] = {(r["step"], r["module"], r["tensor"]): r["stats"]
+                      for r in map(json.loads, open(tmp_path / mode / "stats.jsonl"))}
+    for step in (0, 2):
+        for role in ("fp8.input", "fp8.weight", "fp8.grad_output", "fp8.scale.input"):
+            a, b = recs["eager"][(step, "0", role)], recs["compiled"][(step, "0", role)]
+            assert a["absmax"] == b["absmax"] and a["numel"] == b["numel"], (step, role)
+            for k in ("e4m3_underflow", "e5m2_underflow", "e4m3_overflow", "e5m2_overflow"):
+                assert a[k] == b[k], (step, role, k)
+    assert (1, "0", "fp8.input") not in recs["compiled"]
 
 
 def test_no_host_sync(tmp_path, monkeypatch):
