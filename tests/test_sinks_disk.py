@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from sink_scenarios import CountingSink, read_jsonl, sink_warnings, train
-from stabilitywatch.sinks import JsonlSink, line_file
+from stabilitywatch.sinks import JsonlSink
 from stabilitywatch.sinks import jsonl as jsonl_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,21 +97,21 @@ def test_cut_last_line_is_cut_back_on_open(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "alerts.jsonl")] == [1]
 
 
-class FullAfter(line_file.LineFile):
-    """A disk with `room` bytes left: a write past it writes what fits, then fails (ENOSPC)."""
-    room = 0
-
-    def _write(self, data):
-        if FullAfter.room <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        n = super()._write(data[:FullAfter.room])
-        FullAfter.room -= n
-        return n
-
-
 def test_alert_meeting_a_full_disk_is_counted_and_later_ones_written(tmp_path, monkeypatch,
                                                                      caplog):
     from stabilitywatch.alert import Alert, Severity
+    from stabilitywatch.sinks import line_file
+
+    class FullAfter(line_file.LineFile):
+        """A disk with `room` bytes left: a write past it writes what fits, then fails (ENOSPC)."""
+        room = 0
+
+        def _write(self, data):
+            if FullAfter.room <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = super()._write(data[:FullAfter.room])
+            FullAfter.room -= n
+            return n
 
     monkeypatch.setattr(jsonl_module.line_file, "LineFile", FullAfter)
     sink = JsonlSink(tmp_path, process=False)

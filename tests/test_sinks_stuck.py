@@ -112,3 +112,32 @@ def test_sink_stuck_in_close_is_abandoned_within_the_bound(tmp_path, caplog):
     report = json.loads((tmp_path / "run.json").read_text())["sinks"]
     assert report["stuck"]["state"] == "abandoned" and report["jsonl"]["state"] == "ok"
     assert len(read_jsonl(tmp_path / "alerts.jsonl")) == len(mon.alerts) == 4
+
+
+def test_readme_plug_in_sink_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from sink_scenarios import Net
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("### Plug-in sinks"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    paged = []
+    model = Net()
+    ns = {"__name__": "readme", "model": model, "page_on_call": paged.append,
+          "opt": torch.optim.SGD(model.parameters(), lr=1e-2)}
+    exec(compile(block, "README.md", "exec"), ns)
+    mon = ns["mon"]
+    for step in range(3):
+        x = torch.randn(4, 8)
+        x[0, 0] = float("nan") if step == 2 else x[0, 0]
+        with mon.step(step, batch=x):
+            model(x).sum().backward()
+    mon.close()
+    assert len(paged) == 1 and paged[0].startswith("[stabilitywatch] CRITICAL step 2")
+    report = json.loads((tmp_path / "runs/x/run.json").read_text())["sinks"]
+    assert report["pager"]["state"] == "ok"

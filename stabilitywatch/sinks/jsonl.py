@@ -67,7 +67,11 @@ class JsonlSink(Sink):
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
             return
-        self._alerts_file()   # before any statistics: alerts.jsonl and its reserve come first
+        try:
+            self._alerts_file()   # before any statistics: alerts.jsonl and its reserve first
+        except OSError as e:
+            if e.errno not in line_file.FULL:
+                raise
         if self._stats_error is not None:
             self.records_lost += len(records)
             return
@@ -86,10 +90,10 @@ class JsonlSink(Sink):
     def alert(self, alert: Alert) -> None:
         if self._closed:
             return
-        f = self._alerts_file()
+        line = (_dumps(alert.to_dict()) + "\n").encode("utf-8")
         try:
             # An alert may precede a crash of the training process: durable right away.
-            f.append((_dumps(alert.to_dict()) + "\n").encode("utf-8"), sync=True)
+            self._alerts_file().append(line, sync=True)
         except OSError as e:
             if e.errno not in line_file.FULL:
                 raise
@@ -107,8 +111,7 @@ class JsonlSink(Sink):
         return out
 
     def flush(self) -> None:
-        if self._alerts is not None:
-            self._alerts.sync()
+        # each alert was fsync'd as it was written
         self._sync_stats("flush")
 
     def close(self) -> None:
@@ -121,10 +124,7 @@ class JsonlSink(Sink):
             self._stats.close()
             self._stats = None
         if f is not None:
-            try:
-                f.sync()
-            finally:
-                f.close()
+            f.close()   # gives back the reserve
 
     # -- statistics: the writer process, or this thread --------------------------------------
     def _start(self) -> None:
