@@ -11,6 +11,7 @@ Messages: 4 bytes of length (little-endian) and a pickle. Replies, one line each
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
@@ -36,6 +37,10 @@ class Child:
     send(block=False) gives up instead of waiting for it."""
 
     timeout = 120.0   # seconds a reply may take before the writer counts as hung
+    # seconds the writer may take no input before it counts as hung: below the sink runner's
+    # timeout (Config.sink_timeout, 10 s), so that a stuck writer costs the sink its statistics,
+    # not its alerts
+    send_timeout = 5.0
 
     def __init__(self, argv: list[str], label: str):
         self.label = label
@@ -46,6 +51,7 @@ class Child:
         self._lock = threading.Lock()
         self._buf = b""
         self.report: Optional[str] = None   # the writer's last "ok REPORT" or "note REPORT"
+        self._nonblocking = _nonblocking_pipe(self.proc.stdin.fileno())
 
     @classmethod
     def start(cls, argv: list[str], label: str, handshake: bool = False) -> Optional["Child"]:
@@ -73,8 +79,9 @@ class Child:
         if not self._lock.acquire(blocking=block):
             return False
         try:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
+            self._write(data)
+        except TimeoutError:
+            raise
         except OSError:  # the writer is gone: say why
             self.reply()
             raise
@@ -87,8 +94,9 @@ class Child:
         with self._lock:
             data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
-                self.proc.stdin.flush()
+                self._write(len(data).to_bytes(4, "little") + data)
+            except TimeoutError:
+                raise
             except OSError:  # the writer is gone: say why
                 self.reply()
                 raise
@@ -119,6 +127,30 @@ class Child:
         except subprocess.TimeoutExpired:
             self.stop(kill=True)
         raise OSError(f"{self.label} exited ({self.proc.returncode}): {self._last_error()}")
+
+    def _write(self, data: bytes) -> None:
+        """All of data into the writer's pipe. TimeoutError (the writer stopped and killed: a
+        message may be cut) when it takes no input for send_timeout seconds."""
+        if not self._nonblocking:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+            return
+        fd, view = self.proc.stdin.fileno(), memoryview(data)
+        moved = time.monotonic()
+        while len(view):
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                n = 0
+            if n:
+                view, moved = view[n:], time.monotonic()
+                continue
+            left = moved + self.send_timeout - time.monotonic()
+            if left <= 0:
+                self.stop(kill=True)
+                raise TimeoutError(errno.ETIMEDOUT, f"{self.label} took no input for "
+                                                    f"{self.send_timeout:g} s")
+            select.select([], [fd], [], left)
 
     def _line(self) -> Optional[str]:
         """The next line from the writer ("" at the end of its output), None after timeout
@@ -167,3 +199,18 @@ class Child:
             self._err.close()
         except OSError:
             pass
+
+
+def _nonblocking_pipe(fd: int) -> bool:
+    """A pipe to the writer that holds a whole frame (1 MiB where Linux allows it), written
+    without blocking: True when that worked (else writes block, as on a plain pipe)."""
+    try:
+        import fcntl
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+    except (ImportError, AttributeError, OSError):
+        pass
+    try:
+        os.set_blocking(fd, False)
+        return True
+    except (AttributeError, OSError):
+        return False

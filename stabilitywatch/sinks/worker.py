@@ -151,7 +151,7 @@ class Worker:
                 self.sink.flush()
             else:
                 self.sink.close()
-        except BaseException as e:  # noqa: B902 (a sink's SystemExit must not end this thread silently)
+        except BaseException as e:  # noqa: B902 (SystemExit would end this thread silently)
             return self._failed(method, e)
         with self.cond:
             self.call = None
@@ -170,15 +170,17 @@ class Worker:
         return True
 
     def _failed(self, method: str, e: BaseException) -> bool:
-        error = f"{type(e).__name__}: {e}"
+        error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         with self.cond:
             first = self.state == OK
             if first:
-                self._off(FAILED, error)
+                self._off(FAILED, error, done=False)
             self.call = None
         if first:
             log.warning("stabilitywatch: sink '%s' failed (%s); switched off, training goes on",
                         self.name, error)
+            with self.cond:
+                self.done = True   # close() may return now: the warning is out
             self._on_done()
             if method != "close":
                 self._courtesy_close()
@@ -191,9 +193,10 @@ class Worker:
         except BaseException as e:  # noqa: B902
             log.debug("stabilitywatch: closing failed sink %r: %r", self.name, e)
 
-    def _off(self, state: str, error: str) -> None:
+    def _off(self, state: str, error: str, done: bool = True) -> None:
         # under self.cond: what was queued, and the call in flight, are not (known to be) written
-        self.state, self.error, self.done = state, error, True
+        self.state, self.error = state, error
+        self.done = self.done or done
         if self.call is not None and self.call[0] in ("alert", "log"):
             self.lost_alerts += self.call[2]
             self.lost_records += self.call[3]
