@@ -46,7 +46,8 @@ def small_fs():
     try:
         yield d
     finally:
-        subprocess.run(["umount", d], timeout=30)
+        # lazy: a writer process of a failed test may still hold a file there
+        subprocess.run(["umount", "-l", d], timeout=30)
         os.rmdir(d)
 
 
