@@ -71,11 +71,15 @@ def test_full_queue_of_a_slow_sink_makes_no_step_wait(tmp_path, caplog):
     check_alerts_kept(mon, tmp_path, caplog)
     # alerts are never dropped for lack of queue space, statistics are (counted)
     assert [a.step for a in slow.alerts] == [a.step for a in mon.alerts]
-    report = json.loads((tmp_path / "run.json").read_text())["sinks"]["slow"]
+    reports = json.loads((tmp_path / "run.json").read_text())["sinks"]
+    report = reports["slow"]
     assert report["state"] == "ok" and report["records_dropped"] > 0
-    assert report["records_dropped"] + slow.records == counting.records
-    (warning,) = sink_warnings(caplog)
+    # what training handed the sinks (a fast sink on a busy host may drop a few steps too)
+    given = counting.records + reports["counting"]["records_dropped"]
+    assert report["records_dropped"] + slow.records == given
+    (warning,) = [w for w in sink_warnings(caplog) if "'slow'" in w]
     assert warning.startswith("stabilitywatch: sink 'slow' is slower than training")
+    assert all("is slower than training" in w for w in sink_warnings(caplog))
 
 
 @pytest.mark.parametrize("method", ["log", "alert"])
