@@ -14,6 +14,7 @@ from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
 from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
+from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
 
 
 class Role(str, enum.Enum):
@@ -34,7 +35,6 @@ class Backend(str, enum.Enum):
 
 
 DEFAULT_ROLES = (Role.OUTPUT, Role.GRAD_OUTPUT, Role.WEIGHT, Role.GRAD, Role.OPTIM, Role.LOSS)
-SINK_NAMES = ("jsonl", "console", "wandb", "tensorboard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,13 +165,23 @@ class Config:
     alert_cooldown: int = 50
     """Steps before the same (detector, module, tensor, stat) may alert again at the same
     severity (a higher severity always goes through)."""
-    sinks: tuple[str, ...] = ("jsonl", "console")
-    """Any of: jsonl, console, wandb, tensorboard."""
+    sinks: tuple[Any, ...] = ("jsonl", "console")
+    """Any of: jsonl, console, wandb, tensorboard, and stabilitywatch.sinks.Sink instances
+    (plug-in sinks, used as they are)."""
     wandb_project: str = "stabilitywatch"
     wandb_stats: tuple[str, ...] = ()
     """Statistic names sent to W&B and TensorBoard (empty: the sinks' default list)."""
     queue_size: int = 1024
-    """Bounded queue in front of the sinks (records are dropped, never waited for, when full)."""
+    """Steps of statistics records each sink's queue holds (when full, records are dropped for
+    that sink, counted, never waited for; alerts have their own queue and are never dropped)."""
+    # -- sinks (sinks/runner.py; README "Sinks"); checked in config_sinks.py
+    sink_timeout: float = 10.0
+    """Seconds one call of a sink (log, alert, flush) may take; a sink that takes longer is
+    switched off (one warning, never called again) and what it had not written is counted in
+    run.json. Training never waits for it either way."""
+    sink_close_timeout: float = 30.0
+    """Seconds close() gives the sinks in all to write what is queued and close; a sink not done
+    by then is abandoned (one warning naming it; counted in run.json)."""
     backend: Backend = Backend.AUTO
     rank: Optional[int] = None
     """Rank for records; None: torch.distributed's rank when initialised, else 0."""
@@ -228,7 +238,7 @@ class Config:
         for t in self.module_types:
             if not isinstance(t, (str, type)):
                 raise ValueError(f"Config.module_types must hold classes or class names, got {t!r}")
-        for name in ("modules", "exclude", "sinks", "wandb_stats"):
+        for name in ("modules", "exclude", "wandb_stats"):
             for item in getattr(self, name):
                 if not isinstance(item, str):
                     raise ValueError(f"Config.{name} must hold strings, got {item!r}")
@@ -279,9 +289,7 @@ class Config:
         if not isinstance(self.wandb_project, str) or not self.wandb_project:
             raise ValueError(f"Config.wandb_project must be a non-empty string, "
                              f"got {self.wandb_project!r}")
-        for s in self.sinks:
-            if s not in SINK_NAMES:
-                raise ValueError(f"Config.sinks: unknown sink {s!r}; expected any of {SINK_NAMES}")
+        validate_sink_fields(self)  # -- sinks
         for k, v in _capture_policy.validate(self).items():  # -- capture
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed

@@ -96,7 +96,9 @@ class Monitor:
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
         self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
-                                           self.world_size), queue_size=config.queue_size)
+                                           self.world_size), queue_size=config.queue_size,
+                                timeout=config.sink_timeout,
+                                close_timeout=config.sink_close_timeout)
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
@@ -208,6 +210,7 @@ class Monitor:
             if self.capture is not None:
                 self.capture.close()
             self.sinks.close()
+            self._write_manifest(sinks=self.sinks.report())  # what each sink did not write
             self.dist.close()
 
     def __enter__(self) -> "Monitor":
@@ -380,15 +383,22 @@ class Monitor:
             self._warned.add(key)
             log.warning("stabilitywatch: %s", msg)
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, **more: Any) -> None:
         info = {"schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
                 "config": _jsonable(self.config), "model_factory": self.model_factory,
                 "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
-                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+                "versions": {"torch": torch.__version__, "python": platform.python_version()},
+                **more}
         name = "run.json" if self.rank == 0 else f"run.rank{self.rank}.json"
+        path, tmp = self.run_dir / name, self.run_dir / f".{name}.tmp"
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / name).write_text(json.dumps(info, indent=2))
+            # replaced whole, never cut: on a full disk the one written at watch() stays
+            try:
+                tmp.write_text(json.dumps(info, indent=2))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         except OSError as e:
             log.warning("stabilitywatch: cannot write %s (%s); going on without it",
                         self.run_dir / name, e)

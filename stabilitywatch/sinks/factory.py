@@ -1,4 +1,5 @@
-"""Build the sinks named in a Config; a sink that cannot start is reported once and skipped."""
+"""Build the sinks of a Config: names are made here, Sink instances (plug-in sinks) are used as
+they are; a sink that cannot start is reported once and skipped."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,9 @@ def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> lis
     sinks: list[Sink] = []
     stats_keys = {"stats_keys": config.wandb_stats} if config.wandb_stats else {}
     for name in config.sinks:
+        if isinstance(name, Sink):
+            sinks.append(name)
+            continue
         try:
             if name == "jsonl":
                 from .jsonl import JsonlSink
