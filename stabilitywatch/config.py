@@ -14,6 +14,7 @@ from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
 from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
+from .config_dashboards import validate_dashboard_fields
 
 
 class Role(str, enum.Enum):
@@ -169,7 +170,23 @@ class Config:
     """Any of: jsonl, console, wandb, tensorboard."""
     wandb_project: str = "stabilitywatch"
     wandb_stats: tuple[str, ...] = ()
-    """Statistic names sent to W&B and TensorBoard (empty: the sinks' default list)."""
+    """Statistics the dashboards (W&B and TensorBoard) show instead of `dashboard_stats`: the
+    same entries without "default" (empty: `dashboard_stats` decides)."""
+    # -- dashboards (W&B and TensorBoard sinks): README "Sinks, and the numbers in W&B";
+    # checked in config_dashboards.py
+    dashboard_stats: tuple[str, ...] = ("default",)
+    """What the dashboards show per (module, role): "default" (absmax, rms, nonfinite, the
+    overflow and underflow fractions of the role's configured format; loss mean, gradient norm,
+    shadow rel_l2; biases and raw shadow rows left out), statistic names or globs added for the
+    roles shown ("mean", "e5m2_*"), and "ROLE:STAT" globs for any role ("grad*:std",
+    "*bias:absmax"). stats.jsonl keeps every statistic whatever this says."""
+    dashboard_histograms: bool = True
+    """Exponent histograms (floor(log2|x|) counts) of the rows shown, on sampled steps."""
+    wandb_run: str = "auto"
+    """Which W&B run the wandb sink logs to. "auto": the run you start with wandb.init, before
+    or after watch(); if there is none by close(), a run of the monitor's own, started then.
+    "attach": only yours (nothing reaches W&B without one). "own": a run of its own, started
+    at watch() (then do not call wandb.init yourself in this process)."""
     queue_size: int = 1024
     """Bounded queue in front of the sinks (records are dropped, never waited for, when full)."""
     backend: Backend = Backend.AUTO
@@ -285,6 +302,7 @@ class Config:
         for k, v in _capture_policy.validate(self).items():  # -- capture
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed
+        validate_dashboard_fields(self, set_)  # -- dashboards
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod
