@@ -51,8 +51,8 @@ class Dashboard:
         self.entries = tuple(stats)
         self.formats = dict(formats or {})
         self.histograms = bool(histograms)
-        self._by_role: dict[str, tuple[str, ...]] = {}
-        self._names: dict[tuple[str, str], list[str]] = {}
+        self._by_role: dict[tuple, tuple[str, ...]] = {}
+        self._names: dict[tuple, list[str]] = {}
 
     @classmethod
     def from_config(cls, config) -> "Dashboard":
@@ -61,9 +61,10 @@ class Dashboard:
 
     def stats_for(self, role: str, available: Iterable[str]) -> tuple[str, ...]:
         """The statistics shown for this role (those of `available` the entries select)."""
-        got = self._by_role.get(role)
+        key = (role, tuple(available))
+        got = self._by_role.get(key)
         if got is None:
-            got = self._by_role[role] = self._select(role, tuple(available))
+            got = self._by_role[key] = self._select(role, key[1])
         return got
 
     def _select(self, role: str, available: tuple[str, ...]) -> tuple[str, ...]:
@@ -100,9 +101,10 @@ class Dashboard:
         stats = record.get("stats") or {}
         module, role = record["module"], record["tensor"]
         chosen = self.stats_for(role, stats)
-        names = self._names.get((module, role))
+        names = self._names.get((module, role, chosen))
         if names is None:
-            names = self._names[(module, role)] = [metric_key(role, s, module) for s in chosen]
+            names = self._names[(module, role, chosen)] = [metric_key(role, s, module)
+                                                           for s in chosen]
         vals = []
         for s in chosen:
             if s == "nonfinite":
