@@ -1,6 +1,6 @@
 """How many keys the W&B and TensorBoard sinks log per sampled step, by default.
 
-    python benchmarks/dashboard_keys.py [--model gpt2|mlp] [--formats fp8]
+    python benchmarks/dashboard_keys.py [--model gpt2|mlp] [--preset fp8] [--tiny]
 
 Runs one monitored training step of the model (random init, CPU, one tiny batch) with the JSONL
 sink, reads the step's records back from stats.jsonl and counts the keys the dashboards make of
@@ -23,10 +23,13 @@ import stabilitywatch as sw  # noqa: E402
 from stabilitywatch.sinks.dashboard import Dashboard  # noqa: E402
 
 
-def build(name: str):
+def build(name: str, tiny: bool = False):
+    """The model and its loss. tiny: GPT-2 small's modules (12 layers, same names and
+    parameters) at width 16, for tests: the key count depends on the structure alone."""
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
-        model = GPT2LMHeadModel(GPT2Config())
+        small = dict(n_embd=16, n_head=2, vocab_size=128, n_positions=32) if tiny else {}
+        model = GPT2LMHeadModel(GPT2Config(**small))
         batch = torch.randint(0, model.config.vocab_size, (1, 8))
         return model, lambda m: m(input_ids=batch, labels=batch).loss
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -53,7 +56,8 @@ def count(model, loss_fn, config: sw.Config) -> tuple[int, collections.Counter]:
     for r in records:
         keys += dash.values(r)[0]
         # stats.jsonl leaves the histograms out: every row with a finite nonzero value has one
-        if dash.wants_histogram(r["module"], r["tensor"]) and r["stats"]["finite"] > r["stats"]["zeros"]:
+        st = r["stats"]
+        if dash.wants_histogram(r["module"], r["tensor"]) and st["finite"] > st["zeros"]:
             keys.append(f"sw.{r['tensor']}.exponents/{r['module']}")
     return len(keys), collections.Counter(k.split("/", 1)[0] for k in keys)
 
@@ -62,12 +66,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "mlp"])
     ap.add_argument("--preset", default="default")
+    ap.add_argument("--tiny", action="store_true", help="GPT-2's structure at width 16")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, loss_fn = build(args.model)
+    model, loss_fn = build(args.model, args.tiny)
     n, sections = count(model, loss_fn, sw.Config.preset(args.preset))
-    print(f"| model | preset | keys per sampled step | sections | largest section |")
-    print(f"|---|---|---|---|---|")
+    print("| model | preset | keys per sampled step | sections | largest section |")
+    print("|---|---|---|---|---|")
     big = max(sections.values())
     print(f"| {args.model} | {args.preset} | {n} | {len(sections)} | {big} panels |")
 

@@ -96,9 +96,8 @@ class WandbSink(Sink):
             return
         try:
             if not self._closed:
-                self._take_alerts()
                 self._find_run()
-                self._drain()
+                self._take_alerts()   # its counts go out with the step's values (log())
         finally:
             self._lock.release()
 
