@@ -33,7 +33,8 @@ def make_alert(step, severity, **kw):
 
 
 def load(log_dir):
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    acc = EventAccumulator(str(log_dir),
+                           size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     acc.Reload()
     return acc
 

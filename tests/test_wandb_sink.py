@@ -294,7 +294,8 @@ def test_no_run_of_its_own_before_close_when_the_user_never_starts_one(tmp_path)
 
 
 def test_killed_run_keeps_the_alerts_table(tmp_path):
-    # the process dies without close(): the alerts so far are in the run's summary
+    # the process dies without close(): the alerts so far are in the run's summary. A process
+    # of its own (torch, wandb and its service start again): ~10-20 s here
     script = textwrap.dedent(f"""
         import os, time
         from stabilitywatch.alert import Alert, Severity
@@ -304,8 +305,7 @@ def test_killed_run_keeps_the_alerts_table(tmp_path):
             sink.alert(Alert(step=i, detector="nonfinite", severity=Severity.CRITICAL,
                              module="fc", tensor="grad", stat="nan", value=1.0, threshold=0.0,
                              message="nan"))
-        sink.run.log({{}}, commit=False)
-        time.sleep(1.0)
+        time.sleep(0.5)
         os._exit(9)
     """)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline"}
@@ -356,3 +356,21 @@ def test_reader_reassembles_records_split_across_blocks(tmp_path):
     values = [row[f"sw.output.absmax/blocks.{i}.attention.output_projection"]
               for i in range(1500)]
     assert values == [float(i) for i in range(1500)]
+
+
+def test_user_run_finished_before_close(tmp_path, caplog):
+    # your run ends first: the sink says so once and starts no run of its own afterwards
+    run = wandb.init(project="user-project", dir=str(tmp_path))
+    sink = WandbSink(tmp_path, dashboard=Dashboard(("absmax",)))
+    run.log({"loss": 1.0})
+    sink.log([record(0, "fc", "grad", absmax=1.0)])
+    run.log({"loss": 0.5})
+    run.finish()
+    sink.log([record(1, "fc", "grad", absmax=2.0)])
+    sink.alert(make_alert(1, Severity.CRITICAL))
+    sink.close()
+    assert len(wandb_reader.find_run_files(str(tmp_path))) == 1
+    rows = wandb_reader.history_rows(read_run(tmp_path)[0])
+    assert [r["loss"] for r in rows if "loss" in r] == [1.0, 0.5]
+    assert [r["sw.grad.absmax/fc"] for r in rows if "sw.grad.absmax/fc" in r] == [1.0]
+    assert sink.dropped == 1   # step 1 (its values and its alert count), counted

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
-from ..config_dashboards import DEFAULT, SHADOW_STATS, stat_names  # noqa: F401
+from ..config_dashboards import DEFAULT
 from ..stats.layout import HIST_EMIN
 
 PREFIX = "sw"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..alert import Alert, Severity
@@ -27,7 +27,6 @@ class Message:
     title: str
     text: str
     level: str                     # wandb.AlertLevel member name
-    alerts: list = field(default_factory=list)   # the warnings and criticals it carries
 
 
 class AlertPlan:
@@ -101,5 +100,4 @@ class AlertPlan:
                      f"{top.module or 'model'}{more}")
         else:
             title = f"{TITLE}: {len(carried)} held-back alert(s)"
-        keep = [a for a in order + carried if Severity(a.severity) is not Severity.INFO]
-        return Message(title=title[:63], text="\n".join(lines), level=LEVEL[worst], alerts=keep)
+        return Message(title=title[:63], text="\n".join(lines), level=LEVEL[worst])

@@ -82,9 +82,9 @@ class WandbSink(Sink):
         with self._lock:
             if self._closed:
                 return
+            self._find_run()
             self._take_alerts()
             self._send(self.plan.close_batch())    # the step's alerts came before its records
-            self._find_run()
             self._add(records)
             self._drain()
 
@@ -105,9 +105,9 @@ class WandbSink(Sink):
         with self._lock:
             if self._closed:
                 return
+            self._find_run()
             self._take_alerts()
             self._send(self.plan.close_batch())
-            self._find_run()
             self._drain()
 
     def close(self) -> None:
@@ -151,6 +151,8 @@ class WandbSink(Sink):
         return row
 
     def _drain(self) -> None:
+        if self.run is not None and not self.owns_run and _finished(self.run):
+            self._gone("it was finished")
         if self.run is None:
             return self._bound(MAX_HELD)
         while self._rows:
@@ -183,6 +185,8 @@ class WandbSink(Sink):
             with self._lock:
                 if self._closed:
                     return
+                if self.run is not None and not self.owns_run and _finished(self.run):
+                    self._gone("it was finished")
                 if not self._rows or self.run is None or self.owns_run:
                     self._wake.clear()
                     continue
@@ -218,14 +222,17 @@ class WandbSink(Sink):
         except Exception as e:
             if self.owns_run:
                 raise
-            # your run was finished (or broke) before close(): look for another one
-            self._warn("gone", f"W&B run {getattr(self.run, 'id', '?')} refused a log "
-                       f"({type(e).__name__}: {e}); waiting for another run")
-            self._dead_runs.add(id(self.run))
             self._rows[step] = row
             self._rows.move_to_end(step, last=False)
-            self.run = None
+            self._gone(f"it refused a log ({type(e).__name__}: {e})")
             return False
+
+    def _gone(self, why: str) -> None:
+        # your run was finished (or broke) before close(): look for another one
+        self._warn("gone", f"W&B run {getattr(self.run, 'id', '?')} left: {why}; "
+                   "waiting for another run")
+        self._dead_runs.add(id(self.run))
+        self.run = None
 
     def _wandb_step(self) -> Optional[int]:
         try:
@@ -252,7 +259,7 @@ class WandbSink(Sink):
         if self.run is not None or self.mode == "own":
             return
         run = self._wandb.run
-        if run is not None and id(run) not in self._dead_runs:
+        if run is not None and id(run) not in self._dead_runs and not _finished(run):
             self._use(run, owns=False)
 
     def _start_own_run(self) -> None:
@@ -314,7 +321,7 @@ class WandbSink(Sink):
 
     def _write_summary(self) -> None:
         # the summary is written as it changes: a run killed later still holds the table
-        if self.run is None:
+        if self.run is None or _finished(self.run):
             return
         data: dict[str, Any] = {DROPPED_KEY: self.dropped}
         if self._table_dirty:
@@ -330,3 +337,8 @@ class WandbSink(Sink):
         if key not in self._warned:
             self._warned.add(key)
             log.warning("stabilitywatch: wandb sink: %s", msg)
+
+
+def _finished(run) -> bool:
+    # a finished run's `step` waits 30 s for an answer that never comes
+    return bool(getattr(run, "_is_finished", False))
