@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 
 from ..config_dashboards import DEFAULT
+from ..stats.derive import DerivedRow
 from ..stats.layout import HIST_EMIN
 
 PREFIX = "sw"
@@ -53,6 +54,7 @@ class Dashboard:
         self.histograms = bool(histograms)
         self._by_role: dict[tuple, tuple[str, ...]] = {}
         self._names: dict[tuple, list[str]] = {}
+        self._hist_roles: dict[str, bool] = {}
 
     @classmethod
     def from_config(cls, config) -> "Dashboard":
@@ -61,10 +63,11 @@ class Dashboard:
 
     def stats_for(self, role: str, available: Iterable[str]) -> tuple[str, ...]:
         """The statistics shown for this role (those of `available` the entries select)."""
-        key = (role, tuple(available))
+        # a frame's rows (DerivedRow) all carry the same names: one lookup per role
+        key = (role, None) if isinstance(available, DerivedRow) else (role, tuple(available))
         got = self._by_role.get(key)
         if got is None:
-            got = self._by_role[key] = self._select(role, key[1])
+            got = self._by_role[key] = self._select(role, tuple(available))
         return got
 
     def _select(self, role: str, available: tuple[str, ...]) -> tuple[str, ...]:
@@ -92,9 +95,14 @@ class Dashboard:
         return None
 
     def wants_histogram(self, module: str, role: str) -> bool:
-        return (self.histograms and bool(module) and role not in _WHOLE_MODEL
-                and not any(fnmatch.fnmatchcase(role, p) for p in DEFAULT_SKIP_ROLES)
-                and not role.startswith("shadow"))
+        if not (self.histograms and module):
+            return False
+        got = self._hist_roles.get(role)
+        if got is None:
+            got = self._hist_roles[role] = (
+                role not in _WHOLE_MODEL and not role.startswith("shadow")
+                and not any(fnmatch.fnmatchcase(role, p) for p in DEFAULT_SKIP_ROLES))
+        return got
 
     def values(self, record: Mapping[str, Any]) -> tuple[list[str], list[float]]:
         """(keys, values) this record puts on the dashboards."""
@@ -105,12 +113,13 @@ class Dashboard:
         if names is None:
             names = self._names[(module, role, chosen)] = [metric_key(role, s, module)
                                                            for s in chosen]
-        vals = []
-        for s in chosen:
-            if s == "nonfinite":
-                vals.append(float(stats["nan"]) + float(stats["posinf"]) + float(stats["neginf"]))
-            else:
-                vals.append(float(stats[s]))
+        if isinstance(stats, DerivedRow):   # read the frame's columns directly: ~2x faster
+            cols, i = stats.table, stats.index
+            get = lambda k: cols[k][i]  # noqa: E731
+        else:
+            get = stats.__getitem__
+        vals = [float(get("nan")) + float(get("posinf")) + float(get("neginf"))
+                if s == "nonfinite" else float(get(s)) for s in chosen]
         return names, vals
 
     def histogram(self, record: Mapping[str, Any]) -> Optional[tuple[str, int, np.ndarray]]:
