@@ -66,6 +66,7 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
                                               np.log2(absmax) - np.log2(nz), nan)
     table = {k: c.tolist() for k, c in cols.items()}  # sync-ok: host numpy arrays
     hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
+    hists.flags.writeable = False
     return [DerivedRow(table, i, hists) for i in range(rows.shape[0])]
 
 
