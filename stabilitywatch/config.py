@@ -15,6 +15,7 @@ from .formats import ROW_FORMATS, Fmt
 from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
+from .config_dashboards import validate_dashboard_fields
 
 
 class Role(str, enum.Enum):
@@ -170,7 +171,23 @@ class Config:
     (plug-in sinks, used as they are)."""
     wandb_project: str = "stabilitywatch"
     wandb_stats: tuple[str, ...] = ()
-    """Statistic names sent to W&B and TensorBoard (empty: the sinks' default list)."""
+    """Statistics the dashboards (W&B and TensorBoard) show instead of `dashboard_stats`: the
+    same entries without "default" (empty: `dashboard_stats` decides)."""
+    # -- dashboards (W&B and TensorBoard sinks): README "Sinks, and the numbers in W&B";
+    # checked in config_dashboards.py
+    dashboard_stats: tuple[str, ...] = ("default",)
+    """What the dashboards show per (module, role): "default" (absmax, rms, nonfinite, the
+    overflow and underflow fractions of the role's configured format; loss mean, gradient norm,
+    shadow rel_l2; biases and raw shadow rows left out), statistic names or globs added for the
+    roles shown ("mean", "e5m2_*"), and "ROLE:STAT" globs for any role ("grad*:std",
+    "*bias:absmax"). stats.jsonl keeps every statistic whatever this says."""
+    dashboard_histograms: bool = True
+    """Exponent histograms (floor(log2|x|) counts) of the rows shown, on sampled steps."""
+    wandb_run: str = "auto"
+    """Which W&B run the wandb sink logs to. "auto": the run you start with wandb.init, before
+    or after watch(); if there is none by close(), a run of the monitor's own, started then.
+    "attach": only yours (nothing reaches W&B without one). "own": a run of its own, started
+    at watch() (then do not call wandb.init yourself in this process)."""
     queue_size: int = 1024
     """Steps of statistics records each sink's queue holds (when full, records are dropped for
     that sink, counted, never waited for; alerts have their own queue and are never dropped)."""
@@ -293,6 +310,7 @@ class Config:
         for k, v in _capture_policy.validate(self).items():  # -- capture
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed
+        validate_dashboard_fields(self, set_)  # -- dashboards
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod
