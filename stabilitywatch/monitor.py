@@ -25,6 +25,7 @@ from .distributed.coordinator import dist_info
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
+from .hooks.sentinel import SentinelTap
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
@@ -93,6 +94,11 @@ class Monitor:
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
+        # every step: non-finite count, absmax and sum of squares of every gradient
+        self.sentinel = SentinelTap(self.taps.params, self.buffer.sentinel,
+                                    lambda: self._step is not None and not self.extras.running,
+                                    self.dist.local, optimizer=optimizer is not None)
+        self.taps.sentinel = self.sentinel
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -183,6 +189,7 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
+        self.sentinel.begin()
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
@@ -195,6 +202,7 @@ class Monitor:
             self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
+        self.sentinel.at_end()
         try:
             self.buffer.end_step()
         except Exception as e:
@@ -272,6 +280,8 @@ class Monitor:
                                 f"({type(e).__name__}: {e})")
 
     def _handle(self, frame: StatsFrame) -> None:
+        if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
+            frame.sentinel = self.buffer.sentinel_of(frame.step)
         alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
@@ -288,9 +298,13 @@ class Monitor:
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
                    if r == "grad" or r.startswith("grad.")]
-        if grad_sq:
-            recs.append({**base, "module": "", "tensor": "grad_norm",
-                         "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
+        sent = frame.sentinel
+        if grad_sq or sent is not None:
+            # the gradient rows on steps that read them, else the sentinel (every step)
+            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
+            if sent is not None:
+                norm["nonfinite"] = sent.nonfinite_total
+            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
         return recs + shadow_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
