@@ -22,6 +22,7 @@ from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
+from .escalation import SentinelControl
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
@@ -96,9 +97,12 @@ class Monitor:
                          self._record_many)
         # every step: non-finite count, absmax and sum of squares of every gradient
         self.sentinel = SentinelTap(self.taps.params, self.buffer.sentinel,
-                                    lambda: self._step is not None and not self.extras.running,
+                                    lambda: (config.sentinel and self._step is not None
+                                             and not self.extras.running),
                                     self.dist.local, optimizer=optimizer is not None)
         self.taps.sentinel = self.sentinel
+        # the step's flag (cross-rank), the guard, escalation (escalation.py)
+        self.control = SentinelControl(self)
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -271,7 +275,9 @@ class Monitor:
     def _process(self, block: bool) -> None:
         # once per step end (block=False) and at close: the coordinator decides, identically on
         # every rank, when the frames go through the cross-rank collective
-        for frame in self.dist.frames(self.buffer, final=block):
+        frames = self.dist.frames(self.buffer, final=block)
+        self.control.on_polled()
+        for frame in frames:
             self.frames_seen += 1
             try:
                 self._handle(frame)
@@ -284,6 +290,7 @@ class Monitor:
             frame.sentinel = self.buffer.sentinel_of(frame.step)
         alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+        alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
             alerts = self.capture.on_frame(frame, alerts)
         for a in alerts:
@@ -294,6 +301,8 @@ class Monitor:
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
+        if self.schedule.escalated(frame.step):
+            base["escalated"] = True
         recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)

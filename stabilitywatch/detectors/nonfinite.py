@@ -37,6 +37,9 @@ class NonFiniteDetector(Detector):
         self.remind_every = remind_every
         self._episode_start: int | None = None
         self._last_reminder = 0
+        # the episode's first alert could not name a module (the forward of an unsampled step,
+        # another rank): the first later frame that can, inside the episode, names it
+        self._vague = False
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         # shadow.* rows are measurements of a replica, not tensors of the training step
@@ -52,13 +55,26 @@ class NonFiniteDetector(Detector):
         module, role, nan, inf, numel, origin, extra = found
         stat, value = ("nan", nan) if nan >= inf else ("inf", inf)
         n_bad = len(bad) + (int((sent.nonfinite > 0).sum()) if sent is not None else 0)
+        vague = (extra.get("phase") == "forward" and not extra.get("sampled")) \
+            or bool(extra.get("other_rank"))
         if self._episode_start is None:
             self._episode_start = self._last_reminder = frame.step
+            self._vague = vague
             msg = (f"{int(nan)} NaN and {int(inf)} Inf of {int(numel)} values first appear in "
                    f"{origin}{self._spread(frame, bad, found)}")
             return [Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,
                           module=module, tensor=role, stat=stat, value=value, threshold=0.0,
                           message=msg, rank=frame.rank, extra=extra)]
+        if self._vague and not vague:
+            self._vague = False
+            msg = (f"non-finite values since step {self._episode_start} (whose alert could not "
+                   f"name the module): at step {frame.step}, {int(nan)} NaN and {int(inf)} Inf "
+                   f"of {int(numel)} values first appear in {origin}"
+                   f"{self._spread(frame, bad, found)}")
+            return [Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,
+                          module=module, tensor=role, stat=stat, value=value, threshold=0.0,
+                          message=msg, rank=frame.rank,
+                          extra={**extra, "refines_step": self._episode_start})]
         if frame.step - self._last_reminder >= self.remind_every:
             self._last_reminder = frame.step
             msg = (f"non-finite values persist since step {self._episode_start} "

@@ -32,8 +32,11 @@ class SentinelTap:
         self._ready: list[int] = []
         self._seen: set[int] = set()
         self.written = False                      # this step's sentinel is written
+        self.notified = False                     # after_write ran this step
         self.failed = False
-        # called after each write with the optimizer (or None): the guard (guard.py)
+        # after_write(optimizer or None, written): once per step on every rank, whatever the
+        # gradients (the cross-rank flag is a collective), after the sentinel is written: in
+        # the optimizer's pre-step hook, else at the step end
         self.after_write: list[Callable] = []
         # called from the optimizer's post-step hook with the optimizer
         self.after_step_fns: list[Callable] = []
@@ -67,11 +70,13 @@ class SentinelTap:
 
     # -- per step ------------------------------------------------------------------------------
     def begin(self) -> None:
-        self.written = False
+        self.written = self.notified = False
 
     def before_step(self, opt) -> None:
         """The optimizer's pre-step hook (the taps call it before their own gradient reads)."""
-        self._write(opt)
+        if self.active():
+            self._write()
+            self._notify(opt)
 
     def after_step(self, opt) -> None:
         for fn in self.after_step_fns:
@@ -79,15 +84,24 @@ class SentinelTap:
 
     def at_end(self) -> None:
         """Step end: the sentinel of a step whose optimizer step did not run inside it."""
-        if not self.written:
-            self._write(None)
+        if self.active():
+            if not self.written:
+                self._write()
+            if not self.notified:
+                self._notify(None)
         self._freeze_order()
 
     def _last_ready(self, p) -> None:
-        self._write(None)
+        if self.active():
+            self._write()
 
-    def _write(self, opt) -> None:
-        if self.failed or not self.active():
+    def _notify(self, opt) -> None:
+        self.notified = True
+        for fn in self.after_write:
+            fn(opt, self.written)
+
+    def _write(self) -> None:
+        if self.failed:
             return
         try:
             items = [(k, self.local(p.grad.detach(), *self.keys[k]))
@@ -98,8 +112,6 @@ class SentinelTap:
                 return
             self.store.write(items)
             self.written = True
-            for fn in self.after_write:
-                fn(opt)
         except Exception as e:
             self.failed = True
             log.warning("stabilitywatch: the gradient sentinel failed (%s: %s); it is switched "

@@ -73,8 +73,10 @@ class SentinelFrame:
     nan: np.ndarray
     numel: np.ndarray
     ordered: bool = True
-    # ranks > 1 under the guard: some rank's gradients were not finite (reduced on the device)
+    # ranks > 1: some rank's gradients were not finite (the flag reduced on the device)
     any_rank_bad: Optional[bool] = None
+    # the guard skipped the step's optimizer update (on_nonfinite="skip")
+    skipped: bool = False
 
     @property
     def tripped(self) -> bool:

@@ -60,6 +60,7 @@ class SentinelPending:
     numel: np.ndarray
     copies: list        # (_DevSentinel, host tensor, event or None)
     flag: Optional[tuple] = None   # (host tensor, event): the cross-rank flag, when reduced
+    guarded: bool = False          # the guard handed the flag to the optimizer step
 
     def ready(self) -> bool:
         evs = [ev for _, _, ev in self.copies] + ([self.flag[1]] if self.flag else [])
@@ -82,6 +83,8 @@ class SentinelStore:
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
         self.launches = 0                        # steps written (tests, benchmarks)
+        self.guarded = False                     # set by the guard for the step in flight
+        self._read: list[SentinelFrame] = []     # frames read since the last drain_read()
 
     def set_keys(self, keys: list) -> None:
         self.keys = list(keys)
@@ -146,8 +149,9 @@ class SentinelStore:
                 flag = (h, ev)
             else:
                 flag = (f.clone(), None)
-        pending = SentinelPending(step, self._present, self._numel, copies, flag)
-        self._present, self._flag = None, None
+        pending = SentinelPending(step, self._present, self._numel, copies, flag,
+                                  self.guarded)
+        self._present, self._flag, self.guarded = None, None, False
         return pending
 
     # -- off the hot path ----------------------------------------------------------------------
@@ -163,11 +167,19 @@ class SentinelStore:
                 d.pool.append(host)
         order = self.order if self.order is not None else list(range(len(self.keys)))
         any_bad = None if p.flag is None else bool(p.flag[0].numpy()[0] > 0)  # sync-ok: landed
-        return SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
-                             nonfinite=total[order, 0], absmax=total[order, 1],
-                             sumsq=total[order, 2], present=p.present[order],
-                             nan=total[order, 3], numel=p.numel[order],
-                             ordered=self.order is not None, any_rank_bad=any_bad)
+        f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
+                          nonfinite=total[order, 0], absmax=total[order, 1],
+                          sumsq=total[order, 2], present=p.present[order],
+                          nan=total[order, 3], numel=p.numel[order],
+                          ordered=self.order is not None, any_rank_bad=any_bad)
+        f.skipped = p.guarded and f.tripped
+        self._read = self._read[-255:] + [f]
+        return f
+
+    def drain_read(self) -> list:
+        """The sentinels read since the last call, in step order."""
+        out, self._read = self._read, []
+        return out
 
     # -- plans ---------------------------------------------------------------------------------
     def _rows_on(self, device: torch.device) -> _DevSentinel:
