@@ -24,7 +24,8 @@ def validate_sentinel_fields(cfg, set_) -> None:
     v = cfg.on_nonfinite
     v = getattr(v, "value", v)
     if not isinstance(v, str) or v not in ON_NONFINITE:
-        raise ValueError(f"Config.on_nonfinite must be one of {ON_NONFINITE}, got {cfg.on_nonfinite!r}")
+        raise ValueError(f"Config.on_nonfinite must be one of {ON_NONFINITE}, "
+                         f"got {cfg.on_nonfinite!r}")
     set_("on_nonfinite", v)
     v = cfg.update_spike_bits
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -158,14 +158,12 @@ def test_nan_in_a_gradient_on_an_unsampled_step_is_named_at_that_step(tmp_path, 
 
 
 def test_sentinel_frames_list_gradients_in_backward_order(tmp_path):
-    seen = []
     mon = _run(tmp_path, 2)
     store = mon.buffer.sentinel
     keys = [store.keys[i] for i in store.order]
-    assert keys[:2] == [("fc3", "grad.bias"), ("fc3", "grad")] or keys[0][0] == "fc3"
     assert [k[0] for k in keys] == ["fc3", "fc3", "fc2", "fc2", "fc1", "fc1"]
+    assert sorted(keys) == sorted(store.keys)
     assert store.launches == 2 and not mon.sentinel.handles   # order hooks removed once known
-    del seen
 
 
 def test_forward_inf_on_an_unsampled_step_says_forward(tmp_path):
