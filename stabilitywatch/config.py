@@ -16,6 +16,7 @@ from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
 from .config_dashboards import validate_dashboard_fields
+from .config_sentinel import validate_sentinel_fields
 
 
 class Role(str, enum.Enum):
@@ -246,6 +247,30 @@ class Config:
     dist_timeout: float = 300.0
     """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
     writing per-rank files."""
+    # -- sentinel, escalation and guard (README "Every step: the sentinel, escalation and the
+    # guard"); checked in config_sentinel.py
+    sentinel: bool = True
+    """Every step, before the optimizer step, read every watched parameter gradient once (one
+    multi-tensor launch): its NaN/Inf count, largest finite |x| and sum of squares."""
+    escalate_steps: int = 20
+    """A tripped sentinel or a warning-or-worse alert switches the next this-many steps to full
+    sampling (every role); 0 = off. Multi-rank runs escalate on the cross-rank sentinel flag."""
+    on_nonfinite: str = "warn"
+    """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
+    (fused torch.optim optimizers; others: one host check per step), see stabilitywatch/guard.py."""
+    rerun_skipped: bool = False
+    """With the guard and watch(step_fn=...): a skipped step is run again in place (its forward
+    and backward, every role read, no optimizer step) to name the forward module where the
+    values first went bad. Costs one host wait per step (stabilitywatch/inplace.py)."""
+    update_stats: bool = True
+    """On sampled steps that read weights, the optimizer update ||dW|| / ||W|| per module
+    (role `update`, stat `update_ratio`), judged by the `update` detector."""
+    update_spike_bits: float = 3.0
+    """Update detector: warning when log2(update ratio) is this many bits above its median over
+    the last `update_window` samples (and above the median's noise)."""
+    update_window: int = 50
+    update_min_history: int = 8
+    """Samples of a module's update ratio before it is judged."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -311,6 +336,7 @@ class Config:
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed
         validate_dashboard_fields(self, set_)  # -- dashboards
+        validate_sentinel_fields(self, set_)  # -- sentinel, escalation and guard
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod

@@ -3,6 +3,7 @@ and sinks. It holds no statistics logic of its own."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,10 +23,14 @@ from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
+from .escalation import SentinelControl
+from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
 from .integrations.accelerate import unwrap_optimizer
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
+from .hooks.sentinel import SentinelTap
+from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
@@ -33,6 +38,7 @@ from .observe_args import check_observe
 from .rundir import fresh_run_dir
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
+from .detectors.update import update_records
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
@@ -102,6 +108,18 @@ class Monitor:
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
+        # every step: non-finite count, absmax and sum of squares of every gradient
+        self.sentinel = SentinelTap(self.taps.params, self.buffer.sentinel,
+                                    lambda: (config.sentinel and self._step is not None
+                                             and not self.extras.running),
+                                    self.dist.local, optimizer=optimizer is not None)
+        self.taps.sentinel = self.sentinel
+        if config.update_stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
+            self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
+                                         self.dist.local)
+        # the step's flag (cross-rank), the guard, escalation (escalation.py)
+        self.control = SentinelControl(self)
+        self.inplace = InPlaceRerun(self)     # rerun_skipped: a skipped step again, every role
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -268,6 +286,8 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
+        self.sentinel.begin()
+        self.inplace.begin(batch)
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
@@ -280,6 +300,8 @@ class Monitor:
             self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
+        self.sentinel.at_end()
+        step, queued = self._step, self.buffer.pending
         try:
             self.buffer.end_step()
         except Exception as e:
@@ -287,7 +309,11 @@ class Monitor:
         self._step = None
         self._on = frozenset()
         self.extras.end_step()
+        if self.inplace.on and self.buffer.pending > queued:
+            self.inplace.wait(self.buffer.last_pending())
         self._process(block=False)
+        if step is not None:
+            self.inplace.after_frames(step)
 
     def _is_on(self, role: Role) -> bool:
         # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet
@@ -348,7 +374,9 @@ class Monitor:
     def _process(self, block: bool) -> None:
         # once per step end (block=False) and at close: the coordinator decides, identically on
         # every rank, when the frames go through the cross-rank collective
-        for frame in self.dist.frames(self.buffer, final=block):
+        frames = self.dist.frames(self.buffer, final=block)
+        self.control.on_polled()
+        for frame in frames:
             self.frames_seen += 1
             try:
                 self._handle(frame)
@@ -357,8 +385,21 @@ class Monitor:
                                 f"({type(e).__name__}: {e})")
 
     def _handle(self, frame: StatsFrame) -> None:
+        if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
+            frame.sentinel = self.buffer.sentinel_of(frame.step)
+        if self.inplace.is_rerun_frame(frame):   # only where the values first went bad
+            alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
+                      for d in self.detectors if d.name == "nonfinite"
+                      for a in d.check(frame) if self.cooldown.allow(a)]
+            if self.capture is not None:
+                alerts = self.capture.on_frame(frame, alerts)
+            for a in alerts:
+                self.alerts.append(a)
+                self.sinks.alert(a)
+            return
         alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+        alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
             alerts = self.capture.on_frame(frame, alerts)
         for a in alerts:
@@ -369,14 +410,22 @@ class Monitor:
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
+        if self.schedule.escalated(frame.step):
+            base["escalated"] = True
         recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
                    if r == "grad" or r.startswith("grad.")]
-        if grad_sq:
-            recs.append({**base, "module": "", "tensor": "grad_norm",
-                         "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
-        return recs + shadow_records(frame, base)
+        sent = frame.sentinel
+        if grad_sq or sent is not None:
+            # the gradient rows on steps that read them, else the sentinel (every step)
+            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
+            if sent is not None:
+                norm["nonfinite"] = sent.nonfinite_total
+                if not grad_sq and frame.world_size > 1:
+                    norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
+            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
+        return recs + shadow_records(frame, base) + update_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
