@@ -135,23 +135,28 @@ def replay_text(r: dict) -> str:
                    f"{_num(d['recorded'], '.17g')}, replayed {_num(d['replayed'], '.17g')}")
     if r.get("modules") is not None:
         out.append("")
-        out.append(f"2. low precision vs {r['reference_dtype']} replay, module by module "
-                   f"(tolerance: relative L2 error {r['tolerance']:g}):")
-        out.append(f"   {'module':<28} {'tensor':<12} {'rel L2':>9} {'as fmt':>14} {'SQNR dB':>8} "
-                   f"{'cosine':>8} {'max abs err':>11}")
+        out.append(f"2. low precision vs {r['reference_dtype']} replay, role by role in dataflow "
+                   f"order (tolerance: relative L2 error {r['tolerance']:g}):")
+        out.append(f"   {'module':<28} {'tensor':<22} {'rel L2':>9} {'as fmt':>14} {'SQNR dB':>8} "
+                   f"{'cosine':>8} {'max abs err':>11} {'non-finite':>11}")
         first = r["first_divergent"]
         for m in r["modules"]:
             as_fmt = (f"{_num(m.get('rel_l2_format'))} {m['format']}" if m.get("format") else "-")
             mark = "  <- first divergent" if first and (m["module"], m["tensor"]) == (
                 first["module"], first["tensor"]) else ("  *" if m.get("divergent") else "")
-            out.append(f"   {m['module']:<28} {m['tensor']:<12} {_num(m.get('rel_l2')):>9} "
-                       f"{as_fmt:>14} {_num(m.get('sqnr_db'), '.1f'):>8} "
-                       f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11}{mark}")
+            nf = (f"{m['nonfinite_low']}/{m['nonfinite_ref']}"
+                  if m.get("nonfinite_low") or m.get("nonfinite_ref") else "-")
+            out.append(f"   {m['module'] or '<model>':<28} {m['tensor']:<22} "
+                       f"{_num(m.get('rel_l2')):>9} {as_fmt:>14} {_num(m.get('sqnr_db'), '.1f'):>8} "
+                       f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11} "
+                       f"{nf:>11}{mark}")
         if first:
-            out.append(f"   first divergent module: {first['module']} ({first['tensor']}, "
-                       f"relative L2 error {_num(first['judged_rel_l2'])})")
+            out.append(f"   first divergent module: {first['module'] or '<model>'} "
+                       f"({first['tensor']}, relative L2 error {_num(first['judged_rel_l2'])})")
         else:
             out.append("   first divergent module: none (every module within tolerance)")
+        if r.get("explanation"):
+            out.append(f"   explanation: {r['explanation']['text']}")
     up = r.get("upcast")
     if up:
         out.append("")
@@ -167,6 +172,17 @@ def replay_text(r: dict) -> str:
             out.append(f"     gone:  {a}")
         for a in up["new"][:5]:
             out.append(f"     new:   {a}")
+    v = r.get("verdict")
+    if v:
+        out.append("")
+        out.append(f"verdict ({v['kind']}): {v['text']}")
+        for d in v.get("evidence", [])[:4]:
+            nf = d["nonfinite"]
+            out.append(f"     {d['module'] or '<model>'} {d['tensor']}: non-finite recorded "
+                       f"{nf[0]}, replayed {nf[1]}; absmax recorded {_num(d['absmax'][0])}, "
+                       f"replayed {_num(d['absmax'][1])}")
+        for d in v.get("versions", []):
+            out.append(f"     {d['package']}: recorded {d['recorded']}, running {d['running']}")
     return printable("\n".join(out))
 
 
