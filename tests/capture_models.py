@@ -132,10 +132,11 @@ def train(run_dir, steps: int = 6, fault_step: int = 3, config=None, fault: floa
     return mon, model, opt
 
 
-def nan_hook_at(step_no: int, module: str):
+def nan_hook_at(step_no: int, module: str, prepend: bool = True):
     """A `before_step` that registers, in the loop, a forward hook writing NaN into one value of
-    `module`'s output on step `step_no` (ahead of the monitor's hook, so the row shows it), and
-    removes it on the next step."""
+    `module`'s output on step `step_no`, and removes it on the next step. prepend: it runs ahead
+    of the monitor's hook (the module's row shows the NaN); otherwise after it (the next
+    module's row does)."""
     handles = []
 
     def before(step, model, opt, batch):
@@ -146,6 +147,6 @@ def nan_hook_at(step_no: int, module: str):
                 out = out.clone()
                 out.view(-1)[0] = float("nan")
                 return out
-            handles.append(model.get_submodule(module).register_forward_hook(poison,
-                                                                               prepend=True))
+            handles.append(model.get_submodule(module).register_forward_hook(
+                poison, prepend=prepend))
     return before

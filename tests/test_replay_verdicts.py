@@ -92,6 +92,7 @@ def test_numerics(overflow, capsys):
 
 def test_a_hook_in_the_loop_is_code_the_replay_lacks(tmp_path, capsys):
     out = tmp_path / "run"
+    # the loop's hook runs ahead of the monitor's: fc2's own row holds the NaN
     mon, _, _ = cm.train(out, fault=1.0, before_step=cm.nan_hook_at(3, "fc2"))
     bundle = _bundle(out, mon)
     r = sw.replay(bundle, progress=False, **NAMES)
@@ -102,12 +103,21 @@ def test_a_hook_in_the_loop_is_code_the_replay_lacks(tmp_path, capsys):
     assert (first["module"], first["tensor"]) == ("fc2", "output")
     assert first["nonfinite"] == [1, 0] and first["large"]
     assert "the replay lacks code the run had" in v["text"] and "enters at fc2 output" in v["text"]
+    assert "fc1 output included" in v["text"]     # fc2's input agrees
     argv = ["replay", str(bundle), "--no-progress", "--fail-on", "not-reproduced",
             "--model-factory", NAMES["model_factory"], "--step-fn", NAMES["step_fn"]]
     assert cli.main(argv) == 3
     text = capsys.readouterr().out
     assert "verdict (lacks): the replay lacks code" in text
     assert "fc2 output: non-finite recorded 1, replayed 0" in text
+
+
+def test_a_hook_after_the_monitors_enters_at_the_next_module(tmp_path):
+    out = tmp_path / "run"
+    mon, _, _ = cm.train(out, fault=1.0, before_step=cm.nan_hook_at(3, "fc2", prepend=False))
+    v = sw.replay(_bundle(out, mon), progress=False, **NAMES)["verdict"]
+    assert v["kind"] == "lacks" and v["where"] == {"module": "ln", "tensor": "output"}
+    assert "enters at ln output" in v["text"] and "fc2 output included" in v["text"]
 
 
 def test_other_package_versions(overflow, tmp_path, capsys):
@@ -141,6 +151,8 @@ def test_a_bundle_without_state(overflow, tmp_path, capsys):
     v = r["verdict"]
     assert r["reproduces"] is False and v["kind"] == "lacks"
     assert v["lacks"] == ["model state", "optimizer state"] and "written without" in v["text"]
+    assert cli.main(["inspect", str(d)]) == 0
+    assert "written without: model, optimizer" in capsys.readouterr().out
     assert cli.main(["replay", str(d), "--no-progress", "--fail-on", "not-reproduced",
                      "--model-factory", NAMES["model_factory"], "--step-fn",
                      NAMES["step_fn"]]) == 3
@@ -167,3 +179,12 @@ def test_unseeded_noise_is_nondeterminism(tmp_path):
     first = v["evidence"][0]
     assert (first["module"], first["tensor"]) == ("fc1", "output") and not first["large"]
     assert "non-determinism or hardware" in v["text"] and "enters at" not in v["text"]
+
+
+def test_a_malformed_lacks_field_is_refused(overflow, tmp_path, capsys):
+    d = _copy(overflow, tmp_path)
+    reseal(d, lambda m: m.update(lacks=["weights"]))
+    assert cli.main(["replay", str(d), "--no-progress", "--model-factory",
+                     NAMES["model_factory"], "--step-fn", NAMES["step_fn"]]) == 2
+    err = capsys.readouterr().err
+    assert "field 'lacks' names 'weights'" in err and len(err.strip().splitlines()) == 1

@@ -161,7 +161,9 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
             sums_only += 1        # the Triton kernel merges float64 sums with atomics
             bad = bad[:0]
         if not bad.size:
-            if not differing:
+            # the last agreeing output or output gradient before the first difference: the
+            # value that flows into where the difference enters
+            if not differing and k[1].startswith(("output", "grad_output")):
                 last_ok = {"module": k[0], "tensor": k[1]}
             continue
         differing += 1

@@ -102,6 +102,9 @@ class Progress:
             self.enabled = False
 
 
+AFTER_FIRST = 4    # rows of the replay table listed after the first divergent one
+
+
 def _num(v: Any, fmt: str = ".3g") -> str:
     if v is None:
         return "-"
@@ -140,7 +143,18 @@ def replay_text(r: dict) -> str:
         out.append(f"   {'module':<28} {'tensor':<22} {'rel L2':>9} {'as fmt':>14} {'SQNR dB':>8} "
                    f"{'cosine':>8} {'max abs err':>11} {'non-finite':>11}")
         first = r["first_divergent"]
+        hidden, after, rest = 0, None, []
         for m in r["modules"]:
+            if after is not None and after >= AFTER_FIRST:
+                rest.append(m)     # downstream of the first departure: counted, not listed
+                continue
+            if _same_parameter(m):
+                hidden += 1
+                continue
+            if after is not None:
+                after += 1
+            elif first and (m["module"], m["tensor"]) == (first["module"], first["tensor"]):
+                after = 0
             as_fmt = (f"{_num(m.get('rel_l2_format'))} {m['format']}" if m.get("format") else "-")
             mark = "  <- first divergent" if first and (m["module"], m["tensor"]) == (
                 first["module"], first["tensor"]) else ("  *" if m.get("divergent") else "")
@@ -150,6 +164,12 @@ def replay_text(r: dict) -> str:
                        f"{_num(m.get('rel_l2')):>9} {as_fmt:>14} {_num(m.get('sqnr_db'), '.1f'):>8} "
                        f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11} "
                        f"{nf:>11}{mark}")
+        if rest:
+            out.append(f"   ... {len(rest)} more rows after it in dataflow order, "
+                       f"{sum(bool(m.get('divergent')) for m in rest)} of them divergent")
+        if hidden:
+            out.append(f"   ({hidden} parameter rows equal in both runs not shown; the JSON has "
+                       f"every row)")
         if first:
             out.append(f"   first divergent module: {first['module'] or '<model>'} "
                        f"({first['tensor']}, relative L2 error {_num(first['judged_rel_l2'])})")
@@ -175,7 +195,9 @@ def replay_text(r: dict) -> str:
     v = r.get("verdict")
     if v:
         out.append("")
-        out.append(f"verdict ({v['kind']}): {v['text']}")
+        text = (f"{v['headline']} (explanation above)" if v.get("headline")
+                and r.get("explanation") else v["text"])
+        out.append(f"verdict ({v['kind']}): {text}")
         for d in v.get("evidence", [])[:4]:
             nf = d["nonfinite"]
             out.append(f"     {d['module'] or '<model>'} {d['tensor']}: non-finite recorded "
@@ -184,6 +206,13 @@ def replay_text(r: dict) -> str:
         for d in v.get("versions", []):
             out.append(f"     {d['package']}: recorded {d['recorded']}, running {d['running']}")
     return printable("\n".join(out))
+
+
+def _same_parameter(m: dict) -> bool:
+    """A parameter's row (weight, bias...: not computed in the step) equal in both runs."""
+    role = m["tensor"]
+    computed = role == "loss" or role.startswith(("output", "grad", "optim.", "input"))
+    return not computed and m.get("rel_l2") == 0 and not m.get("divergent")
 
 
 def inspect_text(cap: Any) -> str:
@@ -202,6 +231,9 @@ def inspect_text(cap: Any) -> str:
     for a in m["alerts"]:
         out.append(f"    {a['severity']:<8} {a['detector']:<9} {a['module'] or '<model>'} "
                    f"{a['tensor']} {a['stat']}={_num(a['value'])}")
+    if isinstance(m.get("lacks"), list) and m["lacks"]:
+        out.append(f"  written without: {', '.join(map(str, m['lacks']))} (replay runs without "
+                   f"them and says so)")
     for stem in ("model", "optimizer"):
         size = m["files"][f"{stem}.safetensors"]["bytes"]
         out.append(f"  {stem} state: {len(cap.header(stem))} tensors, {size / 1e6:.2f} MB")

@@ -102,16 +102,22 @@ def explain(row: Optional[dict], reference: str, tol: float) -> Optional[dict]:
         if dmax is not None and amax > dmax:
             ratio = amax / dmax
             text = (f"{where} overflowed {dt}: {lo_nf} values are non-finite in {dt} and finite "
-                    f"in {reference}, up to {amax:.4g}, {ratio:.3g}x {dt}'s max ({dmax:g}); "
-                    f"{up} removes the overflow")
+                    f"in {reference}, up to {amax:.4g}, {ratio:.3g}x {dt}'s max ({dmax:g}); ")
+            fits32 = amax <= MAX_OF["float32"]
+            remedy = ["upcast"] if fits32 else []
+            text += (f"{up} removes the overflow" if fits32 else
+                     f"beyond fp32's max too, so computing it in fp32 does not remove the "
+                     f"overflow: the values themselves are out of range (look at the weights "
+                     f"and data that feed it)")
             if grad_role:
                 k = 2 ** math.ceil(math.log2(ratio) + 1e-12)
-                text += (f"; so does scaling the loss down by {k:g} or more (a GradScaler "
-                         f"lowers its scale until the gradients fit)")
+                remedy.append("loss_scale")
+                text += (f"; {'so does scaling' if fits32 else 'scaling'} the loss down by "
+                         f"{k:g} or more (a GradScaler lowers its scale until the gradients "
+                         f"fit){'' if fits32 else ' does'}")
             return {"kind": "overflow", "module": mod, "tensor": role, "dtype": dt,
                     "reference_absmax": amax, "dtype_max": dmax, "ratio": ratio,
-                    "remedy": ["upcast", "loss_scale"] if grad_role else ["upcast"],
-                    "text": text}
+                    "remedy": remedy, "text": text}
         return {"kind": "intermediate_overflow", "module": mod, "tensor": role, "dtype": dt,
                 "reference_absmax": amax, "dtype_max": dmax, "remedy": ["upcast"],
                 "text": (f"{where}: {lo_nf} values are non-finite in {dt} although the "
@@ -151,17 +157,20 @@ def decide(rp: dict, first: Optional[dict], explanation: Optional[dict], version
         if first is not None:
             out.update(kind="numerics", where={"module": first["module"],
                                                "tensor": first["tensor"]})
-            out["text"] = (f"numerics of this step: it reproduces with the same code, inputs "
-                           f"and state, and the low-precision run departs from {reference} "
-                           f"first at {_where(first)}"
-                           + (f": {explanation['text']}" if explanation else ""))
+            out["headline"] = (f"numerics of this step: it reproduces with the same code, "
+                               f"inputs and state, and the low-precision run departs from "
+                               f"{reference} first at {_where(first)}")
+            out["text"] = out["headline"] + (f": {explanation['text']}" if explanation else "")
         else:
             out.update(kind="values", text=(
                 f"it reproduces, and the {reference} run agrees with the low-precision one "
                 f"within tolerance everywhere: the anomaly is in the values of this step "
                 f"(data, weights), at any precision"))
         if versions:
-            out["text"] += f" (package versions differ: {vers})"
+            note = f" (package versions differ: {vers})"
+            out["text"] += note
+            if "headline" in out:
+                out["headline"] += note
         return out
     entry = evidence[0] if evidence else None
     if lacks:
@@ -178,7 +187,7 @@ def decide(rp: dict, first: Optional[dict], explanation: Optional[dict], version
         out["text"] = (
             f"the replay lacks code the run had: the difference enters at {_where(entry)} "
             f"({_row_text(entry)}), and every row before it in dataflow order agrees"
-            + (f" (up to {_where(after)})" if after else "")
+            + (f", {_where(after)} included" if after else "")
             + ": a hook, or loop code outside the model factory and step function, changed the "
               "values there (with no such code in the loop, suspect a hardware fault at that "
               "point)" + (f"; package versions differ too: {vers}" if versions else ""))
