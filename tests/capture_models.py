@@ -76,16 +76,18 @@ def wide_batches(n: int, seed: int = 2) -> list[dict]:
     return [{"x": 2 + 0.5 * torch.randn(64, 8, generator=g)} for _ in range(n)]
 
 
-def train_wide(run_dir, steps: int = 4, fault_step: int = 2, fault: float = 1e4):
+def train_wide(run_dir, steps: int = 4, fault_step: int = 2, fault: float = 1e4,
+               device: str = "cpu"):
     """Train Wide with the monitor; at fault_step scale out's weight by `fault`."""
     import stabilitywatch as sw
 
-    model = build_wide()
+    model = build_wide().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with sw.watch(model, opt, config=sw.Config(every=1, sinks=("jsonl",)), run_dir=run_dir,
                   model_factory="capture_models:build_wide",
                   step_fn="capture_models:step_sum_fp16") as mon:
         for step, batch in enumerate(wide_batches(steps)):
+            batch = {k: v.to(device) for k, v in batch.items()}
             if step == fault_step:
                 with torch.no_grad():
                     model.out.weight.mul_(fault)

@@ -78,6 +78,20 @@ def test_fp16_parameter_gradient_overflow_is_named_and_explained(tmp_path):
             < roles.index(("inp", "optim.update")))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp16_parameter_gradient_overflow_on_cuda(tmp_path):
+    out = tmp_path / "run"
+    mon, _, _ = cm.train_wide(out, device="cuda")
+    alert = next(a for a in mon.alerts if a.capture)
+    assert (alert.module, alert.tensor) == ("inp", "grad")
+    r = sw.replay(out / alert.capture, device="cuda", progress=False,
+                  model_factory="capture_models:build_wide", step_fn="capture_models:step_sum_fp16")
+    assert r["reproduces"] is True, r["reproduce"]["verdict"]
+    assert r["verdict"]["kind"] == "numerics"
+    assert r["first_divergent"]["module"] == "inp" and r["first_divergent"]["tensor"] == "grad"
+    assert r["explanation"]["kind"] == "overflow"
+
+
 def test_numerics(overflow, capsys):
     r = sw.replay(overflow, progress=False, **NAMES)
     v = r["verdict"]
@@ -136,6 +150,15 @@ def test_other_package_versions(overflow, tmp_path, capsys):
     # the same step with the recorded code reproduces: versions noted, numerics still
     same = sw.replay(d, progress=False, **NAMES)["verdict"]
     assert same["kind"] == "numerics" and "package versions differ" in same["text"]
+
+
+def test_another_device_type(overflow, tmp_path):
+    d = _copy(overflow, tmp_path)
+    reseal(d, lambda m: m["device"].update(type="xpu"))
+    v = sw.replay(d, progress=False, device="cpu", model_factory=NAMES["model_factory"],
+                  step_fn="capture_models:step_perturbed")["verdict"]
+    assert v["kind"] == "lacks" and v["lacks"] == ["device"]
+    assert "recorded on xpu, replayed on cpu" in v["text"]
 
 
 def _empty(d, stem):

@@ -106,8 +106,10 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
                                                first.get("rel_l2_format", 0.0))})
         del low, ref
         report["explanation"] = explain(first, reference, tol)
+        dev = m.get("device") if isinstance(m.get("device"), dict) else {}
+        devices = (str(dev.get("type") or ""), setup.device.type)
         report["verdict"] = decide(report["reproduce"], first, report["explanation"], versions,
-                                   setup.lacks, reference)
+                                   setup.lacks, reference, devices)
         report["upcast"] = None
         if upcast:
             bar.phase(f"re-running with {', '.join(upcast)} in fp32")

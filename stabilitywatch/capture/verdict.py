@@ -10,7 +10,7 @@
   or a batch the bundle was written without (manifest `lacks`); code outside the model factory
   (the first differing row, in dataflow order, holds non-finite values or a large departure the
   re-run does not produce, while every row before it agrees: the values changed there from
-  outside the model); other package versions than the recorded ones.
+  outside the model); other package versions than the recorded ones, or another device type.
 - "nondeterminism": it does not reproduce with the same code, inputs and state, and nothing
   indicates a missing part: non-determinism (atomics, algorithm choice, unseeded randomness) or
   hardware.
@@ -146,8 +146,9 @@ def explain(row: Optional[dict], reference: str, tol: float) -> Optional[dict]:
 
 
 def decide(rp: dict, first: Optional[dict], explanation: Optional[dict], versions: list[dict],
-           lacks: list[str], reference: str) -> dict:
-    """The verdict: {kind, text, lacks, evidence (first differing rows), versions, where}."""
+           lacks: list[str], reference: str, devices: tuple[str, str] = ("", "")) -> dict:
+    """The verdict: {kind, text, lacks, evidence (first differing rows), versions, where}.
+    devices: the device types of the run and of the replay."""
     evidence = rp.get("first_rows", [])
     out: dict[str, Any] = {"evidence": evidence, "versions": versions, "lacks": [],
                            "where": None}
@@ -192,11 +193,16 @@ def decide(rp: dict, first: Optional[dict], explanation: Optional[dict], version
               "values there (with no such code in the loop, suspect a hardware fault at that "
               "point)" + (f"; package versions differ too: {vers}" if versions else ""))
         return out
-    if versions:
-        out.update(kind="lacks", lacks=["versions"])
-        out["text"] = (f"the replay lacks something the run had: other package versions: {vers}; "
-                       f"replay with the recorded versions to tell a version change from "
-                       f"non-determinism")
+    other_device = bool(devices[0]) and devices[0] != devices[1]
+    if versions or other_device:
+        out.update(kind="lacks", lacks=(["versions"] if versions else [])
+                   + (["device"] if other_device else []))
+        parts = ([f"other package versions: {vers}"] if versions else []) + (
+            [f"another device type: recorded on {devices[0]}, replayed on {devices[1]}"]
+            if other_device else [])
+        out["text"] = (f"the replay lacks something the run had: {'; '.join(parts)}; replay "
+                       f"with the recorded {'versions' if versions else 'device'} to tell that "
+                       f"from non-determinism")
         return out
     first_at = f", the first at {_where(entry)} ({_row_text(entry)})" if entry else ""
     out.update(kind="nondeterminism", where=None if entry is None else {
