@@ -109,9 +109,10 @@ def batches(n: int, seed: int = 1) -> list[dict]:
 
 def train(run_dir, steps: int = 6, fault_step: int = 3, config=None, fault: float = 1e5,
           model_factory: str = "capture_models:build", step_fn: str = "capture_models:step_fp16",
-          before_step=None, loop_step=None):
+          before_step=None, loop_step=None, during_step=None):
     """Train with the monitor; at fault_step scale fc2's weights by `fault` (stays scaled).
-    `loop_step`: the step function the loop runs (default step_fp16)."""
+    `loop_step`: the step function the loop runs (default step_fp16); `during_step(mon, step,
+    model)`: loop code run inside each step block."""
     import stabilitywatch as sw
 
     model = build()
@@ -127,6 +128,8 @@ def train(run_dir, steps: int = 6, fault_step: int = 3, config=None, fault: floa
                 before_step(step, model, opt, batch)
             with mon.step(step, batch=batch):
                 loss = (loop_step or step_fp16)(model, batch)
+                if during_step is not None:
+                    during_step(mon, step, model)
                 loss.backward()
                 mon.observe_loss(loss)
                 opt.step()

@@ -134,6 +134,19 @@ def test_a_hook_after_the_monitors_enters_at_the_next_module(tmp_path):
     assert "enters at ln output" in v["text"] and "fc2 output included" in v["text"]
 
 
+def test_rows_the_loop_recorded_are_code_the_replay_lacks(tmp_path):
+    def observe_inf(mon, step, model):
+        if step == 3:
+            mon.observe(torch.full((8,), float("inf")), "scratch", module="fc1")
+    out = tmp_path / "run"
+    mon, _, _ = cm.train(out, fault=1.0, during_step=observe_inf)
+    r = sw.replay(_bundle(out, mon), progress=False, **NAMES)
+    v = r["verdict"]
+    assert r["reproduces"] is False and r["reproduce"]["missing"] == [["fc1", "scratch"]]
+    assert v["kind"] == "lacks" and v["lacks"] == ["code"]
+    assert v["where"] == {"module": "fc1", "tensor": "scratch"} and "mon.observe" in v["text"]
+
+
 def test_other_package_versions(overflow, tmp_path, capsys):
     d = _copy(overflow, tmp_path)
     reseal(d, lambda m: m["versions"].update(torch="2.0.0", numpy="1.0.0"))
@@ -181,7 +194,7 @@ def test_a_bundle_without_state(overflow, tmp_path, capsys):
                      NAMES["step_fn"]]) == 3
 
 
-def test_a_bundle_without_batch(overflow, tmp_path):
+def test_a_bundle_without_batch(overflow, tmp_path, capsys):
     d = _copy(overflow, tmp_path)
     _empty(d, "batch")
     reseal(d, lambda m: m.update(lacks=["batch"], batch={"kind": "none"}))
@@ -189,6 +202,8 @@ def test_a_bundle_without_batch(overflow, tmp_path):
     assert r["reproduces"] is False and r["modules"] is None
     assert r["verdict"]["kind"] == "lacks" and r["verdict"]["lacks"] == ["batch"]
     assert "not re-run" in replay_text(r)
+    assert cli.main(["inspect", str(d)]) == 0
+    assert "batch: none (written without it)" in capsys.readouterr().out
 
 
 def test_unseeded_noise_is_nondeterminism(tmp_path):

@@ -70,6 +70,7 @@ class Recorder:
         self.order: list[tuple[str, str]] = []
         self.data: dict[tuple[str, str], list[torch.Tensor]] = {}
         self.dtypes: dict[tuple[str, str], torch.dtype] = {}
+        self.out_dtype: dict[str, torch.dtype] = {}    # module -> dtype of its first output
         mods = [(n, model.get_submodule(n)) for n in names]
         self.handles = [m.register_forward_hook(self._fwd(n)) for n, m in mods]
         # parameters of the compared modules, each once (a tied weight keeps its first owner)
@@ -92,6 +93,7 @@ class Recorder:
     def _fwd(self, name: str):
         def hook(mod, args, output):
             for suffix, t in float_tensors(output):
+                self.out_dtype.setdefault(name, t.dtype)
                 self._put((name, "output" + suffix), t)
                 if t.requires_grad and torch.is_grad_enabled():
                     t.register_hook(lambda g, k=(name, "grad_output" + suffix):
@@ -120,7 +122,7 @@ class Recorder:
         """The precision a role was computed in: a parameter's gradient, state and update in
         its module's (its output's dtype under autocast), anything else in its own."""
         own = self.dtypes[(module, role)]
-        out = self.dtypes.get((module, "output"))
+        out = self.out_dtype.get(module)
         if out in LOW_DTYPES and not role.startswith(("output", "grad_output")):
             return out
         return own

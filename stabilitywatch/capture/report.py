@@ -243,7 +243,9 @@ def inspect_text(cap: Any) -> str:
             if opt["param_groups"] else {}
         out.append(f"  optimizer: {opt['class']}, {len(opt['param_groups'])} group(s); "
                    f"lr {hyper.get('lr')}")
-    out.append(f"  batch: {describe_tree(m['batch'], cap.header('batch'))}")
+    lacks = m["lacks"] if isinstance(m.get("lacks"), list) else []
+    out.append("  batch: none (written without it)" if "batch" in lacks else
+               f"  batch: {describe_tree(m['batch'], cap.header('batch'))}")
     st = m["stats"]
     bad = [f"{k[0] or '<model>'}:{k[1]}" for k, row in zip(st["keys"], st["rows"])
            if any(isinstance(x, str) for x in row[:5]) or any(

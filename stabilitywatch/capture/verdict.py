@@ -193,6 +193,17 @@ def decide(rp: dict, first: Optional[dict], explanation: Optional[dict], version
               "values there (with no such code in the loop, suspect a hardware fault at that "
               "point)" + (f"; package versions differ too: {vers}" if versions else ""))
         return out
+    missing = rp.get("missing") or []
+    if missing:
+        shown = ", ".join(f"{m or '<model>'} {t}" for m, t in missing[:4])
+        out.update(kind="lacks", lacks=["code"] + (["versions"] if versions else []),
+                   where={"module": missing[0][0], "tensor": missing[0][1]})
+        out["text"] = (f"the replay lacks code the run had: {len(missing)} recorded rows are not "
+                       f"produced by the re-run ({shown}{', ...' if len(missing) > 4 else ''}): "
+                       f"code outside the model factory and step function recorded them (the "
+                       f"loop's mon.observe calls, hooks)"
+                       + (f"; package versions differ too: {vers}" if versions else ""))
+        return out
     other_device = bool(devices[0]) and devices[0] != devices[1]
     if versions or other_device:
         out.update(kind="lacks", lacks=(["versions"] if versions else [])
