@@ -161,7 +161,8 @@ def replay_text(r: dict) -> str:
             nf = (f"{m['nonfinite_low']}/{m['nonfinite_ref']}"
                   if m.get("nonfinite_low") or m.get("nonfinite_ref") else "-")
             out.append(f"   {m['module'] or '<model>':<28} {m['tensor']:<22} "
-                       f"{_num(m.get('rel_l2')):>9} {as_fmt:>14} {_num(m.get('sqnr_db'), '.1f'):>8} "
+                       f"{_num(m.get('rel_l2')):>9} {as_fmt:>14} "
+                       f"{_num(m.get('sqnr_db'), '.1f'):>8} "
                        f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11} "
                        f"{nf:>11}{mark}")
         if rest:

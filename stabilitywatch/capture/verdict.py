@@ -91,7 +91,7 @@ def explain(row: Optional[dict], reference: str, tol: float) -> Optional[dict]:
     where, mod, role = _where(row), row["module"], row["tensor"]
     dt = row.get("dtype", "?")
     dmax = MAX_OF.get(dt)
-    grad_role = role.startswith("grad") or role.startswith("optim.")
+    grad_role = role.startswith("grad")     # gradients scale with the loss (optimizer state not)
     up = f"computing {mod} in fp32 (--upcast {mod})" if mod else "computing the model in fp32"
     lo_nf, ref_nf = row.get("nonfinite_low", 0), row.get("nonfinite_ref", 0)
     amax = row.get("absmax_ref", 0.0)
