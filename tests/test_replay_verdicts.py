@@ -108,6 +108,20 @@ def test_numerics(overflow, capsys):
     assert "verdict (numerics): numerics of this step" in capsys.readouterr().out
 
 
+def test_nan_in_the_batch_is_in_the_values(tmp_path):
+    def nan_input(step, model, opt, batch):
+        if step == 3:
+            batch["x"][0, 0] = float("nan")
+    out = tmp_path / "run"
+    mon, _, _ = cm.train(out, fault=1.0, before_step=nan_input)
+    r = sw.replay(_bundle(out, mon), progress=False, **NAMES)
+    v = r["verdict"]
+    assert r["reproduces"] is True and r["first_divergent"] is None
+    assert v["kind"] == "values" and "at any precision" in v["text"]
+    fc1 = next(m for m in r["modules"] if (m["module"], m["tensor"]) == ("fc1", "output"))
+    assert fc1["nonfinite_low"] == fc1["nonfinite_ref"] > 0     # NaN in fp64 too
+
+
 def test_a_hook_in_the_loop_is_code_the_replay_lacks(tmp_path, capsys):
     out = tmp_path / "run"
     # the loop's hook runs ahead of the monitor's: fc2's own row holds the NaN
