@@ -36,12 +36,19 @@ def test_replay_inf_step_names_the_fault(demo, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["reproduces"] is True and r["first_divergent_module"] == FAULT_MODULE
     assert f"first divergent module: {FAULT_MODULE}" in text and "reproduces bit for bit" in text
+    # weights of 1e38 overflow fp32 as well: the explanation does not offer upcasting
+    ex = r["explanation"]
+    assert ex["kind"] == "overflow" and ex["remedy"] == [] and ex["reference_absmax"] > 3.5e38
+    assert "computing it in fp32 does not remove the overflow" in text
+    assert r["verdict"]["kind"] == "numerics"
 
 
 def test_replay_overflow_step_names_the_fault(demo):
     r = sw.replay(demo / "captures/step00000001-rank0", progress=False,
                   model_factory=MODEL_FACTORY, step_fn=STEP_FN)
     assert r["reproduces"] is True and r["first_divergent_module"] == FAULT_MODULE
-    fc1 = next(m for m in r["modules"] if m["module"] == FAULT_MODULE)
+    fc1 = next(m for m in r["modules"] if (m["module"], m["tensor"]) == (FAULT_MODULE, "output"))
     # bf16 computes it well; cast to E4M3 (Config.formats) it saturates
     assert fc1["rel_l2"] < 0.02 and fc1["rel_l2_format"] > 0.5 and fc1["format"] == "e4m3"
+    ex = r["explanation"]
+    assert ex["kind"] == "format" and ex["format"] == "e4m3" and "448" in ex["text"]

@@ -102,6 +102,9 @@ class Progress:
             self.enabled = False
 
 
+AFTER_FIRST = 4    # rows of the replay table listed after the first divergent one
+
+
 def _num(v: Any, fmt: str = ".3g") -> str:
     if v is None:
         return "-"
@@ -135,23 +138,46 @@ def replay_text(r: dict) -> str:
                    f"{_num(d['recorded'], '.17g')}, replayed {_num(d['replayed'], '.17g')}")
     if r.get("modules") is not None:
         out.append("")
-        out.append(f"2. low precision vs {r['reference_dtype']} replay, module by module "
-                   f"(tolerance: relative L2 error {r['tolerance']:g}):")
-        out.append(f"   {'module':<28} {'tensor':<12} {'rel L2':>9} {'as fmt':>14} {'SQNR dB':>8} "
-                   f"{'cosine':>8} {'max abs err':>11}")
+        out.append(f"2. low precision vs {r['reference_dtype']} replay, role by role in dataflow "
+                   f"order (tolerance: relative L2 error {r['tolerance']:g}):")
+        out.append(f"   {'module':<28} {'tensor':<22} {'rel L2':>9} {'as fmt':>14} {'SQNR dB':>8} "
+                   f"{'cosine':>8} {'max abs err':>11} {'non-finite':>11}")
         first = r["first_divergent"]
+        hidden, after, rest = 0, None, []
         for m in r["modules"]:
+            if after is not None and after >= AFTER_FIRST:
+                rest.append(m)     # downstream of the first departure: counted, not listed
+                continue
+            if _same_parameter(m):
+                hidden += 1
+                continue
+            if after is not None:
+                after += 1
+            elif first and (m["module"], m["tensor"]) == (first["module"], first["tensor"]):
+                after = 0
             as_fmt = (f"{_num(m.get('rel_l2_format'))} {m['format']}" if m.get("format") else "-")
             mark = "  <- first divergent" if first and (m["module"], m["tensor"]) == (
                 first["module"], first["tensor"]) else ("  *" if m.get("divergent") else "")
-            out.append(f"   {m['module']:<28} {m['tensor']:<12} {_num(m.get('rel_l2')):>9} "
-                       f"{as_fmt:>14} {_num(m.get('sqnr_db'), '.1f'):>8} "
-                       f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11}{mark}")
+            nf = (f"{m['nonfinite_low']}/{m['nonfinite_ref']}"
+                  if m.get("nonfinite_low") or m.get("nonfinite_ref") else "-")
+            out.append(f"   {m['module'] or '<model>':<28} {m['tensor']:<22} "
+                       f"{_num(m.get('rel_l2')):>9} {as_fmt:>14} "
+                       f"{_num(m.get('sqnr_db'), '.1f'):>8} "
+                       f"{_num(m.get('cosine'), '.5f'):>8} {_num(m.get('max_abs_err')):>11} "
+                       f"{nf:>11}{mark}")
+        if rest:
+            out.append(f"   ... {len(rest)} more rows after it in dataflow order, "
+                       f"{sum(bool(m.get('divergent')) for m in rest)} of them divergent")
+        if hidden:
+            out.append(f"   ({hidden} parameter rows equal in both runs not shown; the JSON has "
+                       f"every row)")
         if first:
-            out.append(f"   first divergent module: {first['module']} ({first['tensor']}, "
-                       f"relative L2 error {_num(first['judged_rel_l2'])})")
+            out.append(f"   first divergent module: {first['module'] or '<model>'} "
+                       f"({first['tensor']}, relative L2 error {_num(first['judged_rel_l2'])})")
         else:
             out.append("   first divergent module: none (every module within tolerance)")
+        if r.get("explanation"):
+            out.append(f"   explanation: {r['explanation']['text']}")
     up = r.get("upcast")
     if up:
         out.append("")
@@ -167,7 +193,27 @@ def replay_text(r: dict) -> str:
             out.append(f"     gone:  {a}")
         for a in up["new"][:5]:
             out.append(f"     new:   {a}")
+    v = r.get("verdict")
+    if v:
+        out.append("")
+        text = (f"{v['headline']} (explanation above)" if v.get("headline")
+                and r.get("explanation") else v["text"])
+        out.append(f"verdict ({v['kind']}): {text}")
+        for d in v.get("evidence", [])[:4]:
+            nf = d["nonfinite"]
+            out.append(f"     {d['module'] or '<model>'} {d['tensor']}: non-finite recorded "
+                       f"{nf[0]}, replayed {nf[1]}; absmax recorded {_num(d['absmax'][0])}, "
+                       f"replayed {_num(d['absmax'][1])}")
+        for d in v.get("versions", []):
+            out.append(f"     {d['package']}: recorded {d['recorded']}, running {d['running']}")
     return printable("\n".join(out))
+
+
+def _same_parameter(m: dict) -> bool:
+    """A parameter's row (weight, bias...: not computed in the step) equal in both runs."""
+    role = m["tensor"]
+    computed = role == "loss" or role.startswith(("output", "grad", "optim.", "input"))
+    return not computed and m.get("rel_l2") == 0 and not m.get("divergent")
 
 
 def inspect_text(cap: Any) -> str:
@@ -186,6 +232,9 @@ def inspect_text(cap: Any) -> str:
     for a in m["alerts"]:
         out.append(f"    {a['severity']:<8} {a['detector']:<9} {a['module'] or '<model>'} "
                    f"{a['tensor']} {a['stat']}={_num(a['value'])}")
+    if isinstance(m.get("lacks"), list) and m["lacks"]:
+        out.append(f"  written without: {', '.join(map(str, m['lacks']))} (replay runs without "
+                   f"them and says so)")
     for stem in ("model", "optimizer"):
         size = m["files"][f"{stem}.safetensors"]["bytes"]
         out.append(f"  {stem} state: {len(cap.header(stem))} tensors, {size / 1e6:.2f} MB")
@@ -195,7 +244,9 @@ def inspect_text(cap: Any) -> str:
             if opt["param_groups"] else {}
         out.append(f"  optimizer: {opt['class']}, {len(opt['param_groups'])} group(s); "
                    f"lr {hyper.get('lr')}")
-    out.append(f"  batch: {describe_tree(m['batch'], cap.header('batch'))}")
+    lacks = m["lacks"] if isinstance(m.get("lacks"), list) else []
+    out.append("  batch: none (written without it)" if "batch" in lacks else
+               f"  batch: {describe_tree(m['batch'], cap.header('batch'))}")
     st = m["stats"]
     bad = [f"{k[0] or '<model>'}:{k[1]}" for k, row in zip(st["keys"], st["rows"])
            if any(isinstance(x, str) for x in row[:5]) or any(

@@ -56,8 +56,9 @@ class Setup:
         def build() -> nn.Module:
             return first.pop() if first else checked()
         self.factory = build
-        self.state = cap.tensors("model")
-        self.optim_state = cap.tensors("optimizer")
+        self.lacks = bundle_lacks(m)
+        self.state = {} if "model" in self.lacks else cap.tensors("model")
+        self.optim_state = {} if "optimizer" in self.lacks else cap.tensors("optimizer")
         self.modules = list(m.get("modules") or [])
 
     # -- pieces ----------------------------------------------------------------------------
@@ -101,8 +102,11 @@ class Setup:
         state: dict[int, dict] = {}
         for key, t in self.optim_state.items():
             i, _, k = key.partition(".")
-            state.setdefault(int(i), {})[k] = t
-        for key, v in (meta.get("other_state") or {}).items():
+            # a copy: load_state_dict keeps tensors of the parameter's dtype as they are, and the
+            # step updates them in place; every run starts from the captured state
+            state.setdefault(int(i), {})[k] = t.clone()
+        other = {} if "optimizer" in self.lacks else (meta.get("other_state") or {})
+        for key, v in other.items():
             i, _, k = key.partition(".")
             state.setdefault(int(i), {})[k] = v
         sd = opt.state_dict()
@@ -114,6 +118,8 @@ class Setup:
         return decode_tree(self.cap.manifest["batch"], tensors)
 
     def restore_rng(self) -> None:
+        if "rng" in self.lacks:
+            return
         rng = self.cap.manifest["rng"]
         st = rng_python(rng)
         if st is not None:
@@ -169,6 +175,24 @@ class Setup:
                 mon.close()
         frame = next((f for f in frames if f.step == self.step), None)
         return frame, [a for a in mon.alerts if a.step == self.step], loss.detach()
+
+
+PARTS = ("model", "optimizer", "batch", "rng")
+
+
+def bundle_lacks(m: dict) -> list[str]:
+    """What the manifest says the bundle was written without (`lacks`: some of PARTS); replay
+    runs without those parts (the factory's weights, a fresh optimizer state, unrestored RNG)
+    and says so in its verdict."""
+    lacks = m.get("lacks") or []
+    if not (isinstance(lacks, list) and all(isinstance(x, str) for x in lacks)):
+        raise CaptureError("manifest.json field 'lacks' is malformed (expected a list of "
+                           f"{', '.join(PARTS)})")
+    bad = [x for x in lacks if x not in PARTS]
+    if bad:
+        raise CaptureError(f"manifest.json field 'lacks' names {bad[0]!r}: expected some of "
+                           f"{', '.join(PARTS)}")
+    return list(dict.fromkeys(lacks))
 
 
 def force_precision(mod: nn.Module, dtype: torch.dtype, device_type: str) -> None:
