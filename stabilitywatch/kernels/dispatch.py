@@ -43,7 +43,9 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     at no cost; only tensors with gaps (strided slices) are copied, which costs one extra read
     and write of the tensor and a temporary of its size.
     """
-    t = t.detach()
+    # a view with the negative bit set (complex.conj().imag) holds its values un-negated in
+    # memory, which the kernels would read as they are: it is copied with the sign applied
+    t = t.detach().resolve_neg()
     if t.is_contiguous():
         return t.reshape(-1)
     if _dense(t):
@@ -53,7 +55,7 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 def viewable(t: torch.Tensor) -> bool:
     """True when flat_view(t) is a view (it reads t's own memory), not a copy."""
-    return t.is_contiguous() or _dense(t)
+    return not t.is_neg() and (t.is_contiguous() or _dense(t))
 
 
 def _dense(t: torch.Tensor) -> bool:

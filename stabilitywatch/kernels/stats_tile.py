@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .launch import FastLaunch
 from .ptx import _ballot_hist64, _l2_prefetch
-from .stats_triton import _decode_fp8, _emit_scalars, _put
+from .stats_triton import _decode_fp8, _emit_scalars, _put, _sane_scale
 from .tile_fast import _fast_tiles
 from .tile_fp8 import _fp8_tiles
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
@@ -137,7 +137,9 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
         s1, s2, blo, bhi = _add_sums(xf, fbits, s1, s2, blo, bhi, FP8, SUM32)
         # format thresholds on y = |x * scale| (u itself when the scale is 1)
         if SCALED:
-            yu = (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI
+            # zeros stay out of every count: at scale +inf, 0 * inf is NaN, whose bits would
+            # pass every threshold
+            yu = tl.where(nz, (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI, 0)
             ymin = tl.min(_tmin(tl.where(nz, yu, _MAXI)), 0)
             ymax = tl.max(_tmax(yu), 0)
         else:
@@ -236,7 +238,7 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = U * T * V
     if HAS_SCALE_PTR:
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = _sane_scale(tl.load(scale_ptr).to(tl.float32))
     else:
         scale = scale_val
     lanes = tl.arange(0, TILE)

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..formats import FORMATS, Fmt
 from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, ROW_DTYPE, Stat, init_row_tensor
+from ..stats.scale import FLT_MIN, effective_scale
 from .launch import FastLaunch
 
 _E4M3, _E5M2, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
@@ -37,6 +38,16 @@ S_MIN, S_MAX, S_AMAX, S_AMIN = (tl.constexpr(int(Stat.MIN)), tl.constexpr(int(St
                                 tl.constexpr(int(Stat.ABSMAX)), tl.constexpr(int(Stat.ABSMIN_NZ)))
 HBINS = tl.constexpr(HIST_BINS)
 HEMIN = tl.constexpr(HIST_EMIN)
+_FLT_MIN = tl.constexpr(FLT_MIN)
+
+
+@triton.jit
+def _sane_scale(s):
+    # a tensor-valued scale, loaded as float32, by stats/scale.py's rule: |s|, NaN as +inf,
+    # below float32's smallest normal as 0
+    s = tl.abs(s)
+    s = tl.where(s != s, float("inf"), s)
+    return tl.where(s < _FLT_MIN, 0.0, s)
 
 
 @triton.jit
@@ -111,7 +122,7 @@ def _emit_scalars(out_ptr, idx, v):
 def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
                       FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr):
     if HAS_SCALE_PTR:
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = _sane_scale(tl.load(scale_ptr).to(tl.float32))
     else:
         scale = scale_val
     _general_row(x_ptr, out_ptr, scale, n, tl.program_id(0), tl.num_programs(0), FP8, BLOCK)
@@ -298,7 +309,9 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
         raise ValueError("launch_row_stats needs a contiguous tensor (use dispatch.flat_view)")
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
-    scale_val = 1.0 if has_ptr else float(scale)
+    # a host scale made sane here (stats/scale.py): a float outside float32's range would also
+    # reach the kernel as float64
+    scale_val = 1.0 if has_ptr else effective_scale(scale)
     scaled = has_ptr or scale_val != 1.0
     cuda = flat.is_cuda and not _INTERPRET
     if tune is None and cuda:  # a kept plan: no decisions per call

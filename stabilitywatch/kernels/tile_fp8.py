@@ -127,16 +127,17 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
          tl.where(present & fin, tl.abs(x), float("-inf")),
          tl.where(present & nz, tl.abs(x), float("inf")), hf * x64, hf * x64 * x64,
          h64 * (fbits & 0xFFFF), h64 * ((fbits >> 16) & 0xFFFF)), 0, _fold)
-    # y = |x * scale| in float32, as the reference computes it
+    # y = |x * scale| in float32, as the reference computes it; zeros stay out of the format
+    # counts (0 * inf is NaN, whose bits pass every threshold)
     yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & _MAXI
     sel = (_bit(u > _INF, 1) | _bit(bits == _INF, 2) | _bit(bits == _NEGINF, 3)
            | _bit(fin & (u == 0), 4)
-           | _bit(fin & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
-           | _bit(fin & (yu > TH4) & (yu <= TS4), O_E4 + 2)
-           | _bit(fin & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
-           | _bit(fin & (yu > TH5) & (yu <= TS5), O_E5 + 2)
-           | _bit(fin & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
-           | _bit(fin & (yu > TH6) & (yu <= TS6), O_F16 + 2))
+           | _bit(nz & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
+           | _bit(nz & (yu > TH4) & (yu <= TS4), O_E4 + 2)
+           | _bit(nz & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
+           | _bit(nz & (yu > TH5) & (yu <= TS5), O_E5 + 2)
+           | _bit(nz & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
+           | _bit(nz & (yu > TH6) & (yu <= TS6), O_F16 + 2))
     cnt = tl.sum(_bit_rows(sel) * h[None, :], 1)  # int32: a program reads < 2^31
     counted = ((idx >= 1) & (idx <= 4)) | ((idx >= O_E4) & (idx < O_F16 + 3))
     v = tl.where(counted, cnt.to(tl.float64), 0.0)

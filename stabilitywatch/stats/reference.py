@@ -1,8 +1,11 @@
 """Pure-torch statistics row: the CPU path, the fallback, and the test oracle of the kernels.
 
 It does the same arithmetic as the Triton kernel (values upcast to float32, y = x * scale in
-float32, float64 sums), so counts and min/max agree exactly and sums to rounding. It never
-syncs with the host: no item()/tolist(), no boolean-mask indexing, histogram by scatter_add.
+float32, float64 sums), so counts and min/max agree exactly and sums to rounding. float64 inputs
+(no kernel reads them) stay float64 throughout: narrowing them would turn values beyond
+float32's range into Inf or zero and round values next to a format's thresholds across them.
+The scale follows stats/scale.py's rule. It never syncs with the host: no item()/tolist(), no
+boolean-mask indexing, histogram by scatter_add.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import HIST_BINS, HIST_EMIN, ROW_DTYPE, init_row_tensor
+from .scale import effective_scale, effective_scale_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
                     torch.float8_e5m2, torch.float64)
@@ -26,11 +30,13 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     if t.numel() == 0:
         return init_row_tensor(t.device)
     work = torch.float64 if t.dtype == torch.float64 else torch.float32
-    x = t.detach().reshape(-1).to(work)
+    # resolve_neg: a view with the negative bit set (complex.conj().imag) holds the values
+    # un-negated in memory; bit views of it are refused
+    x = t.detach().resolve_neg().reshape(-1).to(work)
     if isinstance(scale, torch.Tensor):
-        s = scale.detach().to(device=x.device, dtype=work).reshape(())
+        s = effective_scale_tensor(scale.to(x.device)).to(work)
     else:
-        s = float(scale)
+        s = effective_scale(scale)
     inf = float("inf")
 
     nan = x.isnan()
