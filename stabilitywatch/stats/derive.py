@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..formats import FORMATS, ROW_FORMATS
-from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat
+from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, shift_is_set
 from .scale import effective_scales
 
 COUNT_KEYS = {"numel": Stat.NUMEL, "nan": Stat.NAN, "posinf": Stat.POSINF,
@@ -48,7 +48,12 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
         mean = np.where(has, rows[:, Stat.SUM] / safe_n, nan)
         ms = np.where(has, rows[:, Stat.SUMSQ] / safe_n, nan)
         cols["mean"] = mean
-        cols["std"] = np.where(has, np.sqrt(np.maximum(ms - mean * mean, 0.0)), nan)
+        # from the shifted sums (precise when the mean is large against the spread); a row
+        # made by hand without them (its shift unset) from the plain ones
+        dm = rows[:, Stat.SHIFT_SUM] / safe_n
+        var = np.where(shift_is_set(rows[:, Stat.SHIFT]),
+                       rows[:, Stat.SHIFT_SUMSQ] / safe_n - dm * dm, ms - mean * mean)
+        cols["std"] = np.where(has, np.sqrt(np.maximum(var, 0.0)), nan)
         cols["rms"] = np.where(has, np.sqrt(ms), nan)
         cols["l2norm"] = np.where(has, np.sqrt(rows[:, Stat.SUMSQ]), nan)
         nonzero = n - rows[:, Stat.ZEROS]

@@ -58,6 +58,11 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     counts = torch.stack(masks, 1).sum(0, dtype=torch.int64).to(ROW_DTYPE)
 
     xf = torch.where(finite, x, 0.0).to(torch.float64)
+    # the shift: the first element (the kernels' too: flat_view starts at element [0, ..., 0]),
+    # 0 when it is not finite; never -0.0 (the unset mark)
+    k = x[0].to(torch.float64)
+    k = torch.where(k.isfinite() & (k != 0), k, 0.0)
+    dev = torch.where(finite, x.to(torch.float64) - k, 0.0)
     mn = torch.where(finite, x, inf).min()
     mx = torch.where(finite, x, -inf).max()
     extrema = torch.stack([mn, mx, torch.maximum(-mn, mx),  # absmax: -inf when nothing is finite
@@ -69,6 +74,7 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
         torch.stack([xf.sum(), torch.dot(xf, xf)]),   # SUM, SUMSQ
         counts[4:],                                   # format counts
         _fingerprint(x),                              # BITS_LO, BITS_HI
+        torch.stack([k, dev.sum(), torch.dot(dev, dev)]),  # SHIFT, SHIFT_SUM, SHIFT_SUMSQ
     ])
 
     # floor(log2 |x|) exactly: frexp gives |x| = m * 2**e with m in [0.5, 1).
