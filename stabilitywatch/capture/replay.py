@@ -107,6 +107,11 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
                 "missing": [list(k) for k in keys], "extra": [], "differences": [],
                 "verdict": "does NOT reproduce: the re-run produced no statistics for the step"}
     got = dict(zip(frame.keys, frame.rows))
+    if rows.size and rows.shape[1] != frame.rows.shape[-1]:
+        return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
+                "missing": [], "extra": [], "differences": [],
+                "verdict": f"cannot compare: the capture's statistics rows hold {rows.shape[1]} "
+                           f"values, this version's {frame.rows.shape[-1]} (another row layout)"}
     missing = [k for k in keys if k not in got]
     extra = [k for k in frame.keys if k not in set(keys)]
     diffs, differing, sums_only = [], 0, 0
