@@ -169,13 +169,18 @@ def _row(x, tune):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # every field bit for bit but the two float64 sums, whose atomic merge order varies
+    # every field bit for bit but the float64 sums, whose atomic merge order varies (the
+    # shifted sum, SUM - n K, to 1e-12 of sqrt(n * SUMSQ) + n |K|)
     from stabilitywatch.stats.layout import Stat
-    sums = [int(Stat.SUM), int(Stat.SUMSQ)]
+    sums = [int(Stat.SUM), int(Stat.SUMSQ), int(Stat.SHIFT_SUMSQ)]
+    s1 = int(Stat.SHIFT_SUM)
     keep = torch.ones_like(a, dtype=torch.bool)
-    keep[sums] = False
+    keep[sums + [s1]] = False
+    n = float(a[Stat.NUMEL])
+    bound = 1e-12 * ((n * float(a[Stat.SUMSQ])) ** 0.5 + n * abs(float(a[Stat.SHIFT])))
     return bool(torch.equal(a[keep], b[keep])
-                and torch.allclose(a[sums], b[sums], rtol=1e-12, atol=0))
+                and torch.allclose(a[sums], b[sums], rtol=1e-12, atol=0)
+                and abs(float(a[s1]) - float(b[s1])) <= bound)
 
 
 def run_variants(device, t, bw, match=(), dtypes=(), mib=256) -> list[str]:

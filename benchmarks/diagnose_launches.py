@@ -84,8 +84,8 @@ def instrument(marks: Marks):
         init, run = cls.__init__, cls.run
         saved += [(cls, "__init__", init), (cls, "run", run)]
 
-        def __init__(self, flats, slots, device, _init=init):
-            _init(self, flats, slots, device)
+        def __init__(self, flats, slots, device, *more, _init=init):
+            _init(self, flats, slots, device, *more)
             # the tile launch reads the full tiles only; the tails go with the small tensors
             self._sizes = (flats[0].dtype, sum(f.numel() * f.element_size() for f in flats),
                            len(flats))

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
+from .stats.scale import FLT_MAX as _FLT_MAX, FLT_MIN as _FLT_MIN
 from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
@@ -313,10 +314,12 @@ class Config:
         scales = dict(_mapping(self.scales, "scales"))
         for k, v in scales.items():
             _glob_key(k, "scales")
+            # the kernels take the scale in float32: outside its normal range it would count
+            # as 0 or +inf (stats/scale.py)
             if (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                    or not math.isfinite(v)):
-                raise ValueError(f"Config.scales[{k!r}] must be a finite positive number, "
-                                 f"got {v!r}")
+                    or not math.isfinite(v) or not _FLT_MIN <= v <= _FLT_MAX):
+                raise ValueError(f"Config.scales[{k!r}] must be a positive number within "
+                                 f"float32's normal range [2**-126, {_FLT_MAX:.7g}], got {v!r}")
             scales[k] = float(v)
         set_("scales", scales)
         for name in ("overflow_warn", "overflow_critical", "underflow_warn", "underflow_critical"):

@@ -124,7 +124,8 @@ def nan_one_rank(rank, world, run_dir, nan_step=4, steps=9):
 
 
 # -- statistics of shards against the full tensor ------------------------------------------------
-_EXACT = [i for i in range(N_STATS) if i not in (Stat.SUM, Stat.SUMSQ)]
+_SUMS = (Stat.SUM, Stat.SUMSQ, Stat.SHIFT_SUM, Stat.SHIFT_SUMSQ)
+_EXACT = [i for i in range(N_STATS) if i not in _SUMS]
 
 
 def _row_mismatch(got: np.ndarray, full: torch.Tensor, rtol: float = 1e-12) -> list:
@@ -133,6 +134,15 @@ def _row_mismatch(got: np.ndarray, full: torch.Tensor, rtol: float = 1e-12) -> l
            for i in _EXACT if not (got[i] == want[i] or (np.isnan(got[i]) and np.isnan(want[i])))]
     for i in (Stat.SUM, Stat.SUMSQ):
         if not np.isclose(got[i], want[i], rtol=rtol, atol=rtol):
+            bad.append(Stat(i).name)
+    # the shifted sums: SUM - n K in the kernels (K the row's shift), and shards merged at one
+    n = want[Stat.NUMEL]
+    d = want[Stat.MAX] - want[Stat.MIN] if np.isfinite(want[Stat.MAX] - want[Stat.MIN]) else 0.0
+    s1 = np.sqrt(n * abs(want[Stat.SUMSQ])) + n * abs(want[Stat.SHIFT])
+    tol = {Stat.SHIFT_SUM: s1,
+           Stat.SHIFT_SUMSQ: abs(want[Stat.SHIFT_SUMSQ]) + 2 * d * s1 + n * d * d}
+    for i, scale in tol.items():
+        if not abs(got[i] - want[i]) <= rtol * scale + rtol:
             bad.append(Stat(i).name)
     return bad
 

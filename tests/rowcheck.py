@@ -8,7 +8,7 @@ import torch
 
 from stabilitywatch.stats.layout import HIST_BINS, HIST_EMIN, N_STATS, Stat
 
-_SUM_FIELDS = (int(Stat.SUM), int(Stat.SUMSQ))
+_SUM_FIELDS = (int(Stat.SUM), int(Stat.SUMSQ), int(Stat.SHIFT_SUM), int(Stat.SHIFT_SUMSQ))
 
 
 def as_numpy_row(row) -> np.ndarray:
@@ -41,13 +41,17 @@ def _fmt(v: float) -> str:
 
 
 def assert_rows_match(got, want, *, sum_rtol: float = 1e-12, abs_sum: "float | None" = None,
-                      label: str = "") -> None:
+                      merged: bool = False, label: str = "") -> None:
     """Assert two statistics rows agree.
 
     Counts, histogram and MIN/MAX/ABSMAX/ABSMIN_NZ must be identical (NaN matches NaN, +-inf
     matches itself). SUM must be within sum_rtol * scale, where scale is `abs_sum` (the sum of
     |x| over finite values) when given, else sqrt(finite count * SUMSQ) (an upper bound of sum
-    |x|); SUMSQ within sum_rtol * SUMSQ (a sum of non-negative terms). A zero scale demands
+    |x|); SUMSQ within sum_rtol * SUMSQ (a sum of non-negative terms). SHIFT exactly;
+    SHIFT_SUM within sum_rtol * (that scale + n |K|) (the kernels take it as SUM - n K);
+    SHIFT_SUMSQ within sum_rtol * SHIFT_SUMSQ, plus, for `merged` rows (tensors merged into a
+    row holding another shift: their sums are re-expressed at it), 2 D (scale + n |K|) + n D^2
+    for the spread D = max - min (no shift lies farther from another). A zero scale demands
     equality. The message lists every differing field with both values.
     """
     g, w = as_numpy_row(got), as_numpy_row(want)
@@ -60,10 +64,15 @@ def assert_rows_match(got, want, *, sum_rtol: float = 1e-12, abs_sum: "float | N
 
     finite_n = w[Stat.NUMEL] - w[Stat.NAN] - w[Stat.POSINF] - w[Stat.NEGINF]
     sumsq = abs(w[Stat.SUMSQ])
-    scales = {
-        int(Stat.SUM): abs_sum if abs_sum is not None else math.sqrt(max(finite_n, 0.0) * sumsq),
-        int(Stat.SUMSQ): sumsq,
-    }
+    s1 = abs_sum if abs_sum is not None else math.sqrt(max(finite_n, 0.0) * sumsq)
+    k = abs(w[Stat.SHIFT])
+    spread = w[Stat.MAX] - w[Stat.MIN] if finite_n > 0 else 0.0
+    spread = spread if math.isfinite(spread) else 0.0
+    ssq = abs(w[Stat.SHIFT_SUMSQ])
+    if merged:
+        ssq += 2 * spread * (s1 + finite_n * k) + finite_n * spread * spread
+    scales = {int(Stat.SUM): s1, int(Stat.SUMSQ): sumsq,
+              int(Stat.SHIFT_SUM): s1 + max(finite_n, 0.0) * k, int(Stat.SHIFT_SUMSQ): ssq}
     for i in _SUM_FIELDS:
         a, b = g[i], w[i]
         if _same(a, b):

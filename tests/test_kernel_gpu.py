@@ -109,10 +109,18 @@ def test_gpu_kernel_is_deterministic_except_last_bits_of_sums():
     from stabilitywatch.stats.layout import Stat
     x = (torch.randn(1 << 26, device="cuda") * 3).to(torch.bfloat16)
     rows = torch.stack([triton_row(x) for _ in range(5)])
-    exact = [i for i in range(rows.shape[1]) if i not in (Stat.SUM, Stat.SUMSQ)]
+    sum_fields = (Stat.SUM, Stat.SUMSQ, Stat.SHIFT_SUM, Stat.SHIFT_SUMSQ)
+    exact = [i for i in range(rows.shape[1]) if i not in sum_fields]
     assert (rows[:, exact] == rows[0, exact]).all()
     sums = rows[:, [Stat.SUM, Stat.SUMSQ]]
     rel = ((sums - sums[0]).abs() / rows[0, Stat.SUMSQ]).max().item()
+    # the shifted sums (SUM - n K, and the sum of (x - K)^2) spread as the plain ones do
+    n, k = x.numel(), abs(rows[0, Stat.SHIFT].item())
+    s1 = rows[:, Stat.SHIFT_SUM]
+    s2 = rows[:, Stat.SHIFT_SUMSQ]
+    rel = max(rel, ((s1 - s1[0]).abs().max() / (math.sqrt(n * rows[0, Stat.SUMSQ].item())
+                                                  + n * k)).item(),
+              ((s2 - s2[0]).abs().max() / s2[0]).item())
     print(f"max relative spread of sums over 5 runs: {rel:.3g}")
     assert rel < 1e-12
 
@@ -249,11 +257,15 @@ def _same_row(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
     # squares to 1e-12, the sum to 1e-12 of sum(|x|) <= sqrt(n * sum of squares) (gpu_values
     # holds +-3.4e38 next to values near 1: the sum's last bits are those of 3.4e38)
     s, q = int(Stat.SUM), int(Stat.SUMSQ)
+    s1, s2 = int(Stat.SHIFT_SUM), int(Stat.SHIFT_SUMSQ)
     keep = torch.ones_like(a, dtype=torch.bool)
-    keep[[s, q]] = False
+    keep[[s, q, s1, s2]] = False
     bound = 1e-12 * math.sqrt(n * float(a[q]))
+    bound1 = bound + 1e-12 * n * abs(float(a[Stat.SHIFT]))
     return bool(torch.equal(a[keep], b[keep]) and math.isclose(a[q], b[q], rel_tol=1e-12)
-                and abs(float(a[s]) - float(b[s])) <= bound)
+                and abs(float(a[s]) - float(b[s])) <= bound
+                and abs(float(a[s1]) - float(b[s1])) <= bound1
+                and math.isclose(a[s2], b[s2], rel_tol=1e-12))
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
@@ -310,3 +322,36 @@ def test_gpu_add_many_plan_takes_new_addresses(dname):
         for i, key in enumerate(f1.keys):
             assert _same_row(torch.from_numpy(f2.rows[i]), torch.from_numpy(f1.rows[i]),
                              sizes[i]), (dname, step, key)
+
+
+@pytest.mark.parametrize("n", [4097, 2**20 + 3, 2**26], ids=["4097", "1M+3", "2^26"])
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "fp16", "e4m3"])
+def test_gpu_std_keeps_its_precision(dname, n):
+    # a mean large against the spread: every pass (fast, careful at a scale, fp8 bytes) gives
+    # the std of float64 numpy's two-pass formula, from the shifted sums
+    import numpy as np
+    from stabilitywatch.kernels.stats_triton import triton_row
+    from stabilitywatch.stats.derive import derive
+
+    base = {"fp32": 2.0**23, "bf16": 256.0, "fp16": 1024.0, "e4m3": 256.0}[dname]
+    g = torch.Generator(device="cuda").manual_seed(n % 1000)
+    x = (base + 2 * torch.randint(-3, 4, (n,), device="cuda", generator=g)).to(DTYPES[dname])
+    xs = x.double().cpu().numpy()
+    want = math.sqrt(np.mean((xs - xs.mean()) ** 2))
+    for scale in (1.0, 0.5, torch.tensor(0.5, device="cuda")):
+        row = triton_row(x, scale)
+        assert_rows_match(row, reference_row(x, scale), label=f"cuda {dname} {n} {scale}")
+        assert derive(row.cpu().numpy(), float(scale))["std"] == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("sval", [math.nan, math.inf, -math.inf, 0.0, -2.0, 1e-40, 1e-50, 1e39])
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_gpu_bad_scales_match_reference(dname, sval):
+    # a tensor-valued scale that turns out bad on the device, and the same value as a float
+    from stabilitywatch.kernels.stats_triton import triton_row
+
+    x = gpu_values(2**20 + 3, DTYPES[dname], seed=7)
+    for s in (torch.tensor(sval, device="cuda"), torch.tensor(sval, dtype=torch.float64,
+                                                               device="cuda"), sval):
+        assert_rows_match(triton_row(x, s), reference_row(x, s),
+                          label=f"cuda {dname} scale {sval!r} {type(s).__name__}")

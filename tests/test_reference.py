@@ -39,6 +39,10 @@ def numpy_row(t: torch.Tensor, scale: float = 1.0) -> np.ndarray:
         row[Stat.ABSMIN_NZ] = np.abs(x[nz]).min()
     row[Stat.SUM] = math.fsum(xf.tolist())
     row[Stat.SUMSQ] = math.fsum((xf * xf).tolist())
+    k = x[0] if x.size and np.isfinite(x[0]) and x[0] != 0 else 0.0
+    row[Stat.SHIFT] = k
+    row[Stat.SHIFT_SUM] = math.fsum((xf - k).tolist())
+    row[Stat.SHIFT_SUMSQ] = math.fsum(((xf - k) ** 2).tolist())
     for fmt in ROW_FORMATS:
         f, base = FORMATS[fmt], FMT_BASE[fmt]
         half = f.min_subnormal / 2

@@ -151,6 +151,11 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
                 "first_rows": [], "last_agreeing": None,
                 "verdict": "does NOT reproduce: the re-run produced no statistics for the step"}
     got = dict(zip(frame.keys, frame.rows))
+    if rows.size and rows.shape[1] != frame.rows.shape[-1]:
+        return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
+                "missing": [], "extra": [], "differences": [],
+                "verdict": f"cannot compare: the capture's statistics rows hold {rows.shape[1]} "
+                           f"values, this version's {frame.rows.shape[-1]} (another row layout)"}
     missing = [k for k in keys if k not in got]
     extra = [k for k in frame.keys if k not in rows]
     diffs, first_rows, differing, sums_only, last_ok = [], [], 0, 0, None
@@ -159,7 +164,7 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
             continue
         row, other = rows[k], got[k]
         bad = np.flatnonzero(~((row == other) | (np.isnan(row) & np.isnan(other))))
-        if bad.size and set(bad.tolist()) <= {int(Stat.SUM), int(Stat.SUMSQ)} and _sums_close(row, other):
+        if bad.size and set(bad.tolist()) <= _SUMS and _sums_close(row, other):
             sums_only += 1        # the Triton kernel merges float64 sums with atomics
             bad = bad[:0]
         if not bad.size:
@@ -196,11 +201,24 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
             "verdict": verdict}
 
 
+_SUMS = {int(Stat.SUM), int(Stat.SUMSQ), int(Stat.SHIFT_SUM), int(Stat.SHIFT_SUMSQ)}
+
+
 def _sums_close(a: np.ndarray, b: np.ndarray) -> bool:
-    # |sum| can cancel to ~0: bound its error by sqrt(n * sumsq) >= sum |x| instead
-    scale_sum = math.sqrt(max(a[Stat.NUMEL], 1.0) * abs(a[Stat.SUMSQ]))
+    # |sum| can cancel to ~0: bound its error by sqrt(n * sumsq) >= sum |x| instead; the
+    # shifted sum (taken as SUM - n K) by that plus n |K|; the shifted sum of squares of a row
+    # that took tensors of other shifts also carries 2 D (sum |x| + n |K|) + n D^2 for the
+    # spread D = max - min (stats/layout.py's merge)
+    n = max(a[Stat.NUMEL], 1.0)
+    scale_sum = math.sqrt(n * abs(a[Stat.SUMSQ]))
+    k = abs(a[Stat.SHIFT])
+    d = a[Stat.MAX] - a[Stat.MIN]
+    d = d if math.isfinite(d) else 0.0
+    ssq = abs(a[Stat.SHIFT_SUMSQ]) + 2 * d * (scale_sum + n * k) + n * d * d
     return (abs(a[Stat.SUM] - b[Stat.SUM]) <= SUM_RTOL * scale_sum
-            and abs(a[Stat.SUMSQ] - b[Stat.SUMSQ]) <= SUM_RTOL * abs(a[Stat.SUMSQ]))
+            and abs(a[Stat.SUMSQ] - b[Stat.SUMSQ]) <= SUM_RTOL * abs(a[Stat.SUMSQ])
+            and abs(a[Stat.SHIFT_SUM] - b[Stat.SHIFT_SUM]) <= SUM_RTOL * (scale_sum + n * k)
+            and abs(a[Stat.SHIFT_SUMSQ] - b[Stat.SHIFT_SUMSQ]) <= SUM_RTOL * ssq)
 
 
 def _akey(a: Any) -> str:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..stats.buffer import StatsFrame
-from ..stats.layout import _MAX_IDX, _MIN_IDX, _SUM_IDX, N_STATS, Stat, init_row
+from ..stats.layout import (_MAX_IDX, _MIN_IDX, _SHIFTED, _SUM_IDX, N_STATS, UNSET_SHIFT, Stat,
+                            init_row, reshift, shift_is_set)
 from . import wire
 from .wire import (M_END, M_FLAGS, M_KEY, M_PHASE, M_SCALE, M_SEQ, M_STEP, N_META, OWNER,
                    REPLICATED, SHARDED)
@@ -82,10 +83,19 @@ def merged_frames(payloads: list, names: dict, local: list, rank: int, world: in
         stats = full[:, N_META:]
         out = np.tile(init_row(), (len(start), 1))
         if use.all():
-            u_stats, u_start = stats, start
+            u_stats, u_start, u_group = stats, start, group
         else:   # drop unused rows (HSDP replicas); every group keeps at least one
             u_stats = stats[use]
             u_start = np.searchsorted(np.flatnonzero(use), start)
+            u_group = group[use]
+        # each group's shifted sums at one shift: its first row's that is set (layout.merge_rows)
+        pos = np.where(shift_is_set(u_stats[:, Stat.SHIFT]), np.arange(len(u_stats)), len(u_stats))
+        first = np.minimum.reduceat(pos, u_start)
+        k = np.where(first < len(u_stats),
+                     u_stats[np.minimum(first, len(u_stats) - 1), Stat.SHIFT], UNSET_SHIFT)
+        u_stats = reshift(u_stats, k[u_group])
+        out[:, _SHIFTED] = np.add.reduceat(u_stats[:, _SHIFTED], u_start, axis=0)
+        out[:, Stat.SHIFT] = k
         out[:, _SUM] = np.add.reduceat(u_stats[:, _SUM], u_start, axis=0)
         out[:, _MIN] = np.minimum.reduceat(u_stats[:, _MIN], u_start, axis=0)
         out[:, _MAX] = np.maximum.reduceat(u_stats[:, _MAX], u_start, axis=0)

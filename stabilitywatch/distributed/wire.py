@@ -24,7 +24,7 @@ import numpy as np
 from ..stats.layout import N_STATS, Stat
 
 MAGIC = 0x5357_4449_5354_0001
-VERSION = 1
+VERSION = 2  # 2: rows with the shifted sums (stats/layout.py)
 HEADER_WORDS = 8
 HEADER_BYTES = 8 * HEADER_WORDS
 

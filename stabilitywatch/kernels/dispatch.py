@@ -43,7 +43,9 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     at no cost; only tensors with gaps (strided slices) are copied, which costs one extra read
     and write of the tensor and a temporary of its size.
     """
-    t = t.detach()
+    # a view with the negative bit set (complex.conj().imag) holds its values un-negated in
+    # memory, which the kernels would read as they are: it is copied with the sign applied
+    t = t.detach().resolve_neg()
     if t.is_contiguous():
         return t.reshape(-1)
     if _dense(t):
@@ -53,7 +55,7 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 def viewable(t: torch.Tensor) -> bool:
     """True when flat_view(t) is a view (it reads t's own memory), not a copy."""
-    return t.is_contiguous() or _dense(t)
+    return not t.is_neg() and (t.is_contiguous() or _dense(t))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -115,7 +117,8 @@ def _addresses_ok(t: torch.Tensor) -> bool:
 
 def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
     """Merge the statistics of each ts[k] into rows[slots[k]]: one launch per dtype for the
-    small tensors (and the large ones' tails), one per dtype for the large tensors' full tiles.
+    small tensors (and the large ones' tails), one per dtype for the large tensors' full tiles
+    (one more for each further tensor of a row already in the launch).
     Every tensor must pass batchable() or tileable(); no host sync. Returns the launches
     (stats_multi.ManyLaunch, tile_multi.TileManyLaunch), each with the tensors it reads as
     (index in ts, first element): they run again on the same tensors (same storage) without host
@@ -124,19 +127,27 @@ def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
     from .tile_multi import TileManyLaunch, full_tiles
     small: dict = {}
     large: dict = {}
+    # a launch never holds two tensors of one row: its programs claim the row's shift without
+    # waiting, which needs every program of a launch over a row to propose the same one
+    # (row_ops._claim_shift); a row's second tensor goes to a second launch
+    seen_small: dict = {}
+    seen_large: dict = {}
     for i, (t, s) in enumerate(zip(ts, slots)):
         f = flat_view(t)
         off = 0
         if f.numel() > MULTI_MAX:
             off = full_tiles(f)
-            for acc, v in zip(large.setdefault(t.dtype, ([], [], [])), (f, s, (i, 0))):
+            r = seen_large[s] = seen_large.get(s, -1) + 1
+            for acc, v in zip(large.setdefault((t.dtype, r), ([], [], [])), (f, s, (i, 0))):
                 acc.append(v)
             f = f[off:]
             if f.numel() == 0:
                 continue
-        for acc, v in zip(small.setdefault(t.dtype, ([], [], [])), (f, s, (i, off))):
+        r = seen_small[s] = seen_small.get(s, -1) + 1
+        for acc, v in zip(small.setdefault((t.dtype, r), ([], [], [], [])),
+                          (f, s, (i, off), off * f.element_size())):
             acc.append(v)
-    launches = [(launch_many(flats, rows, ss), src) for flats, ss, src in small.values()]
+    launches = [(launch_many(flats, rows, ss, ko), src) for flats, ss, src, ko in small.values()]
     for flats, ss, src in large.values():
         launch = TileManyLaunch(flats, ss, rows.device)
         launch.run(rows)

@@ -28,7 +28,9 @@ import triton.language as tl
 
 from .launch import FastLaunch
 from .ptx import _ballot_hist64, _l2_prefetch
-from .stats_triton import _decode_fp8, _emit_scalars, _put
+from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SUM, S_SUMSQ,
+                      _at_row_shift, _claim_shift, _decode_fp8, _emit_scalars, _load_shift, _put,
+                      _sane_scale)
 from .tile_fast import _fast_tiles
 from .tile_fp8 import _fp8_tiles
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
@@ -56,7 +58,7 @@ def _hist_window(u, valid, lo, NB: tl.constexpr, bins, TILE: tl.constexpr):
 
 
 @triton.jit
-def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
+def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr,
                    SCALED: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                    SUM32: tl.constexpr, PARTS: tl.constexpr, BALLOT: tl.constexpr,
                    PREF: tl.constexpr = 0):
@@ -73,6 +75,7 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     mx = tl.full([T], float("-inf"), tl.float32)
     s1 = tl.zeros([T], dtype=tl.float64)
     s2 = tl.zeros([T], dtype=tl.float64)
+    s2k = tl.zeros([T], dtype=tl.float64)
     blo = tl.zeros([T], dtype=tl.int64)
     bhi = tl.zeros([T], dtype=tl.int64)
     hist = tl.zeros([HBINS], dtype=tl.int32)
@@ -118,6 +121,7 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
             c_ninf += tl.sum(_tsum((bits == _NEGINF).to(tl.int32)), 0)
             valid = nz & fin
             xf = tl.where(fin, x, 0.0)
+            kf = tl.where(fin, kp, 0.0)  # zeroed values add nothing to the shifted sum either
             mn = tl.minimum(mn, _tmin(tl.where(fin, x, float("inf"))))
             mx = tl.maximum(mx, _tmax(tl.where(fin, x, float("-inf"))))
             amx = tl.maximum(amx, _tmax(tl.where(fin, u, -1)))
@@ -126,6 +130,7 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
         else:
             valid = nz
             xf = x
+            kf = tl.zeros([U, T, V], dtype=tl.float64) + kp  # a splat: no work per element
             mn = tl.minimum(mn, _tmin(x))
             mx = tl.maximum(mx, _tmax(x))
             amx = tl.maximum(amx, umax_t)
@@ -134,10 +139,12 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
         unz_t = _tmin(tl.where(valid, u, _MAXI))
         amn = tl.minimum(amn, unz_t)
         tmin = tl.min(unz_t, 0)
-        s1, s2, blo, bhi = _add_sums(xf, fbits, s1, s2, blo, bhi, FP8, SUM32)
+        s1, s2, s2k, blo, bhi = _add_sums(xf, fbits, s1, s2, s2k, kf, blo, bhi, FP8, SUM32)
         # format thresholds on y = |x * scale| (u itself when the scale is 1)
         if SCALED:
-            yu = (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI
+            # zeros stay out of every count: at scale +inf, 0 * inf is NaN, whose bits would
+            # pass every threshold
+            yu = tl.where(nz, (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI, 0)
             ymin = tl.min(_tmin(tl.where(nz, yu, _MAXI)), 0)
             ymax = tl.max(_tmax(yu), 0)
         else:
@@ -191,12 +198,15 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     v = _put(v, idx, 2, c_pinf)
     v = _put(v, idx, 3, c_ninf)
     v = _put(v, idx, 4, mine - nza)
-    v = _put(v, idx, 5, tl.min(mn, 0))
-    v = _put(v, idx, 6, tl.max(mx, 0))
-    v = _put(v, idx, 7, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
-    v = _put(v, idx, 8, tl.where(an == _MAXI, float("inf"), an.to(tl.float32, bitcast=True)))
-    v = _put(v, idx, 9, tl.sum(s1, 0))
-    v = _put(v, idx, 10, tl.sum(s2, 0))
+    v = _put(v, idx, S_MIN, tl.min(mn, 0))
+    v = _put(v, idx, S_MAX, tl.max(mx, 0))
+    v = _put(v, idx, S_AMAX, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
+    v = _put(v, idx, S_AMIN, tl.where(an == _MAXI, float("inf"),
+                                      an.to(tl.float32, bitcast=True)))
+    s1t = tl.sum(s1, 0)
+    v = _put(v, idx, S_SUM, s1t)
+    v = _put(v, idx, S_SUMSQ, tl.sum(s2, 0))
+    v = _at_row_shift(v, idx, s1t, tl.sum(s2k, 0), mine - nonfin, kp, krow)
     v = _put(v, idx, O_E4 + 0, tl.sum(cm4, 0) - nonfin)
     v = _put(v, idx, O_E4 + 1, nzf - g_h4)
     v = _put(v, idx, O_E4 + 2, g_h4 - tl.sum(cs4, 0) + nonfin)
@@ -206,8 +216,8 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     v = _put(v, idx, O_F16 + 0, tl.sum(cm6, 0) - nonfin)
     v = _put(v, idx, O_F16 + 1, nzf - g_h6)
     v = _put(v, idx, O_F16 + 2, g_h6 - tl.sum(cs6, 0) + nonfin)
-    v = _put(v, idx, O_HIST - 2, tl.sum(blo, 0))
-    v = _put(v, idx, O_HIST - 1, tl.sum(bhi, 0))
+    v = _put(v, idx, S_BLO, tl.sum(blo, 0))
+    v = _put(v, idx, S_BHI, tl.sum(bhi, 0))
     return v, hist, hc0, hc1, e0
 
 
@@ -236,28 +246,34 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = U * T * V
     if HAS_SCALE_PTR:
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = _sane_scale(tl.load(scale_ptr).to(tl.float32))
     else:
         scale = scale_val
+    # the shift: the tensor's first element, the row's when it already has one (tile launches
+    # start at element 0)
+    kp = _load_shift(x_ptr, FP8)
+    krow = _claim_shift(out_ptr, kp)
     lanes = tl.arange(0, TILE)
     if FAST and BYTES and (FP8 == 1 or FP8 == 2):  # fp8: from the count of each byte value
-        v, hist = _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8, U, T, V,
+        v, hist = _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8, U, T, V,
                              FAST == 2, PREF, FPARTS)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
     elif FAST:
-        clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, SUM32,
-                                     FAST == 2, WORDS, FPARTS, PREF)
+        clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8, U, T, V,
+                                     SUM32, FAST == 2, WORDS, FPARTS, PREF)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
         if clean == 0:
-            v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
-                                                   SCALED, U, T, V, SUM32, PARTS, 0, PREF)
+            v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp,
+                                                   krow, FP8, SCALED, U, T, V, SUM32, PARTS, 0,
+                                                   PREF)
     else:
-        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8,
-                                               SCALED, U, T, V, SUM32, PARTS, BALLOT, PREF)
+        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp,
+                                               krow, FP8, SCALED, U, T, V, SUM32, PARTS, BALLOT,
+                                               PREF)
     idx = tl.arange(0, 32)
     if (FPARTS & 4) == 0:  # bit 2 (timing only): no atomics into the row
         _emit_scalars(out_ptr, idx, v)

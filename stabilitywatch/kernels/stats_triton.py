@@ -20,7 +20,11 @@ import triton.language as tl
 
 from ..formats import FORMATS, Fmt
 from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, ROW_DTYPE, Stat, init_row_tensor
+from ..stats.scale import effective_scale
 from .launch import FastLaunch
+from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SUM, S_SUMSQ,
+                      _at_row_shift, _claim_shift, _decode_fp8, _emit_scalars, _load_shift, _put,
+                      _sane_scale)
 
 _E4M3, _E5M2, _F16 = FORMATS[Fmt.E4M3], FORMATS[Fmt.E5M2], FORMATS[Fmt.FP16]
 # compile-time globals rather than launch arguments (each argument costs launcher time)
@@ -33,32 +37,8 @@ F16_MAX, F16_HS, F16_SL = (tl.constexpr(_F16.max), tl.constexpr(_F16.underflow_t
 O_E4, O_E5, O_F16 = (tl.constexpr(FMT_BASE[Fmt.E4M3]), tl.constexpr(FMT_BASE[Fmt.E5M2]),
                      tl.constexpr(FMT_BASE[Fmt.FP16]))
 O_HIST = tl.constexpr(int(Stat.HIST))
-S_MIN, S_MAX, S_AMAX, S_AMIN = (tl.constexpr(int(Stat.MIN)), tl.constexpr(int(Stat.MAX)),
-                                tl.constexpr(int(Stat.ABSMAX)), tl.constexpr(int(Stat.ABSMIN_NZ)))
 HBINS = tl.constexpr(HIST_BINS)
 HEMIN = tl.constexpr(HIST_EMIN)
-
-
-@triton.jit
-def _decode_fp8(b, IS_E5M2: tl.constexpr):
-    # b: int32 in [0, 255] holding the raw fp8 bits. The sign goes in as a bit (a float negation
-    # may compile to 0 - v, which turns -0.0 into +0.0).
-    sign = (b >> 7) << 31
-    if IS_E5M2:
-        e = (b >> 2) & 31
-        m = b & 3
-        normal = (((e - 15 + 127) << 23) | (m << 21)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 1.52587890625e-05  # 2**-16
-        v = tl.where(e == 0, sub, normal)
-        v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
-    else:
-        e = (b >> 3) & 15
-        m = b & 7
-        normal = (((e - 7 + 127) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 0.001953125  # 2**-9
-        v = tl.where(e == 0, sub, normal)
-        v = tl.where((e == 15) & (m == 7), float("nan"), v)
-    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -69,11 +49,6 @@ def _fmt_counts(y, fin, nz, MAX: tl.constexpr, HALF_SUB: tl.constexpr, SUB_LIMIT
     return over, under, sub
 
 
-@triton.jit
-def _put(v, idx, i: tl.constexpr, x):
-    return tl.where(idx == i, x.to(tl.float64), v)
-
-
 # read once: the interpreter is on or off from the moment the @triton.jit functions are made
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # compiled: the fields of _general_row in one block-wide reduction (tl.reduce over a tuple)
@@ -82,45 +57,34 @@ _ONE_REDUCE = tl.constexpr(not _INTERPRET)
 
 @triton.jit
 def _fold_general(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17,
-                  a18, a19, a20, a21, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
-                  b14, b15, b16, b17, b18, b19, b20, b21):
-    # _general_row's fields: 18 sums, then min, max, max, min
+                  a18, a19, a20, a21, a22, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12,
+                  b13, b14, b15, b16, b17, b18, b19, b20, b21, b22):
+    # _general_row's fields: 18 sums, then min, max, max, min, then one more sum
     return (a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8,
             a9 + b9, a10 + b10, a11 + b11, a12 + b12, a13 + b13, a14 + b14, a15 + b15, a16 + b16,
             a17 + b17, tl.minimum(a18, b18), tl.maximum(a19, b19), tl.maximum(a20, b20),
-            tl.minimum(a21, b21))
+            tl.minimum(a21, b21), a22 + b22)
 
 
-@triton.jit
-def _emit_scalars(out_ptr, idx, v):
-    # The row's scalar fields (v[i] for field i < O_HIST) in three vector atomics, relaxed and
-    # with no use of the returned value. One scalar atomic per field instead compiles to
-    # barrier, thread-0 acq_rel atomic, barrier: about 25 round trips at the end of every
-    # program, most of a small tensor's GPU time (the PTX shows it).
-    is_min = (idx == S_MIN) | (idx == S_AMIN)
-    is_max = (idx == S_MAX) | (idx == S_AMAX)
-    is_sum = (idx < O_HIST) & (is_min == 0) & (is_max == 0)
-    tl.atomic_add(out_ptr + idx, v, mask=is_sum & (v != 0), sem="relaxed")
-    tl.atomic_min(out_ptr + idx, v, mask=is_min & (v != float("inf")), sem="relaxed")
-    tl.atomic_max(out_ptr + idx, v, mask=is_max & (v != float("-inf")), sem="relaxed")
-
-
-# n is never specialised: an int argument equal to 1 would become a compile-time Python int on
-# the GPU, and `n.to(...)` below would not compile for one-element tensors.
+# k_ptr: the tensor's first element (the shift; x_ptr itself unless x is a tensor's tail)
 @triton.jit(do_not_specialize=["n"])
-def _row_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n,
+def _row_stats_kernel(x_ptr, k_ptr, out_ptr, scale_ptr, scale_val, n,
                       FP8: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr):
     if HAS_SCALE_PTR:
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = _sane_scale(tl.load(scale_ptr).to(tl.float32))
     else:
         scale = scale_val
-    _general_row(x_ptr, out_ptr, scale, n, tl.program_id(0), tl.num_programs(0), FP8, BLOCK)
+    _general_row(x_ptr, k_ptr, out_ptr, scale, n, tl.program_id(0), tl.num_programs(0), FP8,
+                 BLOCK)
 
 
 @triton.jit
-def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK: tl.constexpr):
+def _general_row(x_ptr, k_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr,
+                 BLOCK: tl.constexpr):
     # this program's share (blocks pid, pid + nprog, ...) of n elements at x_ptr, merged into
-    # the row at out_ptr
+    # the row at out_ptr; k_ptr: the element that gives the shift
+    kp = _load_shift(k_ptr, FP8)
+    krow = _claim_shift(out_ptr, kp)
     lanes = tl.arange(0, BLOCK)
     zi = tl.zeros([BLOCK], dtype=tl.int32)
     c_nan = zi
@@ -139,6 +103,7 @@ def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK:
     f16s = zi
     s1 = tl.zeros([BLOCK], dtype=tl.float64)
     s2 = tl.zeros([BLOCK], dtype=tl.float64)
+    s2k = tl.zeros([BLOCK], dtype=tl.float64)
     mn = tl.full([BLOCK], float("inf"), tl.float32)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     amx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -177,6 +142,8 @@ def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK:
         x64 = xf.to(tl.float64)
         s1 += x64
         s2 += x64 * x64
+        dk = tl.where(fin, x64 - kp, 0.0)
+        s2k += dk * dk
         mn = tl.minimum(mn, tl.where(fin, x, float("inf")))
         mx = tl.maximum(mx, tl.where(fin, x, float("-inf")))
         amx = tl.maximum(amx, tl.where(fin, a, float("-inf")))
@@ -200,18 +167,19 @@ def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK:
         # lanes that are not nonzero-finite go to bin 0 and are taken back out below
         hist += tl.histogram(tl.where(nz, b, 0), HBINS)
 
-    # one block-wide reduction for all 22 fields (each reduction is a barrier and a
+    # one block-wide reduction for all 23 fields (each reduction is a barrier and a
     # shared-memory round trip, in a chain the program ends on)
     if _ONE_REDUCE:
         r = tl.reduce((c_nan, c_pinf, c_ninf, c_zero, e4o, e4u, e4s, e5o, e5u, e5s, f16o, f16u,
-                       f16s, c_nz, blo.to(tl.int64), bhi.to(tl.int64), s1, s2, mn, mx, amx, amn),
-                      0, _fold_general)
+                       f16s, c_nz, blo.to(tl.int64), bhi.to(tl.int64), s1, s2, mn, mx, amx, amn,
+                       s2k), 0, _fold_general)
     else:  # the interpreter runs a combine function element by element, in Python
         r = (tl.sum(c_nan, 0), tl.sum(c_pinf, 0), tl.sum(c_ninf, 0), tl.sum(c_zero, 0),
              tl.sum(e4o, 0), tl.sum(e4u, 0), tl.sum(e4s, 0), tl.sum(e5o, 0), tl.sum(e5u, 0),
              tl.sum(e5s, 0), tl.sum(f16o, 0), tl.sum(f16u, 0), tl.sum(f16s, 0), tl.sum(c_nz, 0),
              tl.sum(blo.to(tl.int64), 0), tl.sum(bhi.to(tl.int64), 0), tl.sum(s1, 0),
-             tl.sum(s2, 0), tl.min(mn, 0), tl.max(mx, 0), tl.max(amx, 0), tl.min(amn, 0))
+             tl.sum(s2, 0), tl.min(mn, 0), tl.max(mx, 0), tl.max(amx, 0), tl.min(amn, 0),
+             tl.sum(s2k, 0))
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
     v = _put(v, idx, 0, tl.where(pid == 0, n, 0))
@@ -219,14 +187,15 @@ def _general_row(x_ptr, out_ptr, scale, n, pid, nprog, FP8: tl.constexpr, BLOCK:
         v = _put(v, idx, 1 + i, r[i])
     for i in tl.static_range(9):  # the format counts
         v = _put(v, idx, O_E4 + i, r[4 + i])
-    v = _put(v, idx, 5, r[18])
-    v = _put(v, idx, 6, r[19])
-    v = _put(v, idx, 7, r[20])
-    v = _put(v, idx, 8, r[21])
-    v = _put(v, idx, 9, r[16])
-    v = _put(v, idx, 10, r[17])
-    v = _put(v, idx, O_HIST - 2, r[14])
-    v = _put(v, idx, O_HIST - 1, r[15])
+    v = _put(v, idx, S_MIN, r[18])
+    v = _put(v, idx, S_MAX, r[19])
+    v = _put(v, idx, S_AMAX, r[20])
+    v = _put(v, idx, S_AMIN, r[21])
+    v = _put(v, idx, S_SUM, r[16])
+    v = _put(v, idx, S_SUMSQ, r[17])
+    v = _put(v, idx, S_BLO, r[14])
+    v = _put(v, idx, S_BHI, r[15])
+    v = _at_row_shift(v, idx, r[16], r[22], r[3] + r[13], kp, krow)
     _emit_scalars(out_ptr, idx, v)
     bins = tl.arange(0, HBINS)
     n_iter = tl.cdiv(n - pid * BLOCK, nprog * BLOCK)
@@ -298,7 +267,9 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
         raise ValueError("launch_row_stats needs a contiguous tensor (use dispatch.flat_view)")
     has_ptr = isinstance(scale, torch.Tensor)
     scale_ptr = scale if has_ptr else out_row  # unused when HAS_SCALE_PTR is False
-    scale_val = 1.0 if has_ptr else float(scale)
+    # a host scale made sane here (stats/scale.py): a float outside float32's range would also
+    # reach the kernel as float64
+    scale_val = 1.0 if has_ptr else effective_scale(scale)
     scaled = has_ptr or scale_val != 1.0
     cuda = flat.is_cuda and not _INTERPRET
     if tune is None and cuda:  # a kept plan: no decisions per call
@@ -363,8 +334,8 @@ class _RowPlan:
         if self.tile is not None:
             self.tile(self.tile_progs, (x, out_row, scale_ptr, scale_val, self.n_full))
         if self.tail is not None:
-            x = x[self.n_full:] if self.n_full else x
-            self.tail(self.tail_progs, (x, out_row, scale_ptr, scale_val, self.n_tail))
+            tail = x[self.n_full:] if self.n_full else x
+            self.tail(self.tail_progs, (tail, x, out_row, scale_ptr, scale_val, self.n_tail))
 
 
 def _triton_launch(fn, consts: dict, warps: int, opts: dict):

@@ -29,7 +29,8 @@ from .ptx import (THR_ROWS, TOP_ROW, _THR_SLOT_HI, _THR_SLOT_LO, _bf16x2_max, _b
                   _lane_thr_slot, _s16x2_min, _thr_value)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
-from .stats_triton import _put
+from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SUM, S_SUMSQ,
+                      _at_row_shift, _put)
 
 
 def _field(bits: int) -> int:
@@ -39,7 +40,7 @@ def _field(bits: int) -> int:
 assert _field(TM5.value) == _field(TM6.value) == 142 and _field(TM4.value) < 142
 F_MAXBIN = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
 F_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
-_BAD = tl.constexpr(24)  # where _hist_counts puts the count of values the fast pass cannot take
+_BAD = tl.constexpr(30)  # where _hist_counts puts the count of values the fast pass cannot take
 assert O_E5.value == O_E4.value + 3 and O_F16.value == O_E5.value + 3 and O_HIST.value <= _BAD
 
 
@@ -88,9 +89,9 @@ def _top_rows(h, ab, f):
 
 
 @triton.jit
-def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+def _fold(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5, b6, b7, b8):
     return (tl.minimum(a0, b0), tl.maximum(a1, b1), tl.minimum(a2, b2), a3 + b3, a4 + b4,
-            a5 + b5, a6 + b6, a7 + b7)
+            a5 + b5, a6 + b6, a7 + b7, a8 + b8)
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _span(f, lo, hi, k: tl.constexpr):
 
 @triton.jit
 def _hist_counts(h, ab, f, FP8: tl.constexpr):
-    # The row's counts (at their field index in a 32-vector; _BAD at index 24) as sums of h and
+    # The row's counts (at their field index in a 32-vector; _BAD at index 30) as sums of h and
     # ab over field ranges, all in one reduction: bit k of pos/neg (apos/aneg) says that h[f]
     # (ab[f]) adds to / takes from count k. What each count is: see the module's docstring.
     pos = (_span(f, 0, 1, 4) | _span(f, F4M + 1, 256, O_E4) | _span(f, 1, 255, O_E4 + 1)
@@ -126,8 +127,8 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
 
 
 @triton.jit
-def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, col, U: tl.constexpr, T: tl.constexpr,
-                V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
+def _words_tile(cur, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U: tl.constexpr,
+                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
                 FPARTS: tl.constexpr):
     # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators;
     # on the GPU (LANE) mn and mx are bf16 pairs, both halves compared at once (_words_unpair)
@@ -151,14 +152,23 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, col, U: tl.constexpr, 
     else:
         um1 = tl.minimum(um1, tl.minimum(_tmin((ul - 1).to(tl.uint32, bitcast=True)),
                                          _tmin((uh - 1).to(tl.uint32, bitcast=True))))
+    # The shifted sum of squares from the thread's tile sums, sum (x - kp)^2 = t2 - 2 kp t1 +
+    # m kp^2 (m = U * V values), two float64 operations per 16 values instead of two per
+    # value: this loop is bound by its shared-memory atomics and issue slots. t1 and t2 are
+    # exact for bf16 values of similar magnitude (squares of 8-bit significands), so the result
+    # is within ~1e-16 * m kp^2 per tile: the std keeps ~1e-16 (kp / std)^2 relative, 1e-8 at a
+    # mean 10^4 times the std (the other passes take (x - kp)^2 per value)
     if SUM32:  # float32 within the tile (the squares of bf16 values are exact)
-        s1 += (_tsum(xl) + _tsum(xh)).to(tl.float64)
-        s2 += (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
+        t1 = (_tsum(xl) + _tsum(xh)).to(tl.float64)
+        t2 = (_tsum(xl * xl) + _tsum(xh * xh)).to(tl.float64)
     else:
         l64 = xl.to(tl.float64)
         h64 = xh.to(tl.float64)
-        s1 += _tsum(l64) + _tsum(h64)
-        s2 += _tsum(l64 * l64) + _tsum(h64 * h64)
+        t1 = _tsum(l64) + _tsum(h64)
+        t2 = _tsum(l64 * l64) + _tsum(h64 * h64)
+    s1 += t1
+    s2 += t2
+    s2k += (t2 - (2.0 * kp) * t1) + (U * V) * (kp * kp)
     if LANE:  # GPU
         bhi += _tsum(_halves_sum(w)).to(tl.int64)
     else:
@@ -178,7 +188,7 @@ def _words_tile(cur, mn, mx, um1, s1, s2, bhi, h2, table, col, U: tl.constexpr, 
     else:
         h2 += tl.histogram(_thr_key(ul, TILE // 2), 512)
         h2 += tl.histogram(_thr_key(uh, TILE // 2), 512)
-    return mn, mx, um1, s1, s2, bhi, h2
+    return mn, mx, um1, s1, s2, s2k, bhi, h2
 
 
 @triton.jit
@@ -202,9 +212,9 @@ def _words_unpair(p, LARGER: tl.constexpr):
 
 
 @triton.jit
-def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8: tl.constexpr,
-                 U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr,
-                 LANE: tl.constexpr, FPARTS: tl.constexpr):
+def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col,
+                 FP8: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                 SUM32: tl.constexpr, LANE: tl.constexpr, FPARTS: tl.constexpr):
     # one tile of float32 / fp16 / bf16 / fp8 values into the fast pass's accumulators
     TILE: tl.constexpr = U * T * V
     x, bits = _decode_tile(cur, FP8, U, T, V)
@@ -212,7 +222,7 @@ def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8: t
     mn = tl.minimum(mn, _tmin(x))
     mx = tl.maximum(mx, _tmax(x))
     um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
-    s1, s2, blo, bhi = _add_sums(x, bits, s1, s2, blo, bhi, FP8, SUM32)
+    s1, s2, s2k, blo, bhi = _add_sums(x, bits, s1, s2, s2k, kp, blo, bhi, FP8, SUM32)
     if FP8 == 0 and (FPARTS & 1):  # float32 / fp16 input: fp16's subnormal limit
         cs6 += _tsum((u > TS6).to(tl.int32))
     if (FPARTS & 2) == 0:
@@ -224,11 +234,11 @@ def _values_tile(cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8: t
         _lane_hist_count(u, table)
     else:
         h2 += tl.histogram(_thr_key(u, TILE), 512)
-    return mn, mx, um1, s1, s2, blo, bhi, cs6, h2
+    return mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2
 
 
 @triton.jit
-def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.constexpr,
+def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr, U: tl.constexpr,
                 T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
                 WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
@@ -243,6 +253,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
     mx = tl.full([T], float("-inf"), tl.float32)
     s1 = tl.zeros([T], dtype=tl.float64)
     s2 = tl.zeros([T], dtype=tl.float64)
+    s2k = tl.zeros([T], dtype=tl.float64)  # sum of (x - kp)^2: the shifted sums
     blo = tl.zeros([T], dtype=tl.int64)
     bhi = tl.zeros([T], dtype=tl.int64)
     f = tl.arange(0, 256)
@@ -272,14 +283,16 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
         for start in range(pid * TILE, n_full, 2 * step):
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
-            mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
-                a, mn, mx, um1, s1, s2, bhi, h2, table, col, U, T, V, SUM32, LANE, FPARTS)
+            mn, mx, um1, s1, s2, s2k, bhi, h2 = _words_tile(
+                a, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U, T, V, SUM32, LANE,
+                FPARTS)
             a = tl.load(wp + tl.multiple_of(tl.minimum(start + 2 * step, last) // 2, TW) + wl)
             if start + step < n_full:
                 if PREF:
                     _l2_prefetch(x_ptr + tl.minimum(start + (PREF + 1) * step, last), TILE * 2)
-                mn, mx, um1, s1, s2, bhi, h2 = _words_tile(
-                    b, mn, mx, um1, s1, s2, bhi, h2, table, col, U, T, V, SUM32, LANE, FPARTS)
+                mn, mx, um1, s1, s2, s2k, bhi, h2 = _words_tile(
+                    b, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U, T, V, SUM32, LANE,
+                    FPARTS)
             b = tl.load(wp + tl.multiple_of(tl.minimum(start + 3 * step, last) // 2, TW) + wl)
         if LANE:
             mn = _words_unpair(mn, False)
@@ -293,9 +306,9 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
                              TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
-            mn, mx, um1, s1, s2, blo, bhi, cs6, h2 = _values_tile(
-                cur, mn, mx, um1, s1, s2, blo, bhi, cs6, h2, table, col, FP8, U, T, V, SUM32, LANE,
-                FPARTS)
+            mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2 = _values_tile(
+                cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col, FP8, U, T, V,
+                SUM32, LANE, FPARTS)
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)
@@ -307,25 +320,28 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8: tl.constexpr, U: tl.const
         ab = tl.sum(tl.where(row == 1, hh, 0), 0)
     # every reduction below is block-wide (a barrier and a shared-memory round trip, in a chain
     # the program ends on): one for the scalars, one for all the counts, one for the flag
-    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, s6t = tl.reduce(
-        (mn, mx, um1, s1, s2, blo, bhi, cs6), 0, _fold)
+    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, s6t, s2kt = tl.reduce(
+        (mn, mx, um1, s1, s2, blo, bhi, cs6, s2k), 0, _fold)
     cnt = _hist_counts(h, ab, f, FP8)
     idx = tl.arange(0, 32)
     clean = (tl.sum(tl.where(idx == _BAD, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
     counted = (idx == 4) | ((idx >= O_E4) & (idx < O_F16 + 3))  # the fields cnt fills
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
     v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, 5, lo_mn)
-    v = _put(v, idx, 6, hi_mx)
-    v = _put(v, idx, 7, tl.maximum(-lo_mn, hi_mx))
-    v = _put(v, idx, 8, tl.where(m1 == 0xFFFFFFFF, float("inf"),
-                                 (m1 + 1).to(tl.float32, bitcast=True)))
-    v = _put(v, idx, 9, s1t)
-    v = _put(v, idx, 10, s2t)
+    v = _put(v, idx, S_MIN, lo_mn)
+    v = _put(v, idx, S_MAX, hi_mx)
+    v = _put(v, idx, S_AMAX, tl.maximum(-lo_mn, hi_mx))
+    v = _put(v, idx, S_AMIN, tl.where(m1 == 0xFFFFFFFF, float("inf"),
+                                      (m1 + 1).to(tl.float32, bitcast=True)))
+    v = _put(v, idx, S_SUM, s1t)
+    v = _put(v, idx, S_SUMSQ, s2t)
+    # every value is finite here (else the careful pass runs): the program's count is what it read
+    mine = tl.cdiv(tl.maximum(n_full - pid * TILE, 0), nprog * TILE) * TILE
+    v = _at_row_shift(v, idx, s1t, s2kt, mine, kp, krow)
     if FP8 == 0:  # fp16's subnormal limit, counted element by element
         v = tl.where(idx == O_F16 + 2, v - s6t.to(tl.float64), v)
-    v = _put(v, idx, O_HIST - 2, blot)
-    v = _put(v, idx, O_HIST - 1, bhit)
+    v = _put(v, idx, S_BLO, blot)
+    v = _put(v, idx, S_BHI, bhit)
     # row bin b holds exponent field b + 31; bin 0 also fields 1..30, bin 127 fields 159..254
     b = tl.arange(0, HBINS)
     cum = tl.cumsum(h, 0)

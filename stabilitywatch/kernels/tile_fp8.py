@@ -18,7 +18,8 @@ import triton.language as tl
 
 from ..formats import FORMATS, Fmt
 from .ptx import _l2_prefetch, _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
-from .stats_triton import _decode_fp8, _put
+from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SSQ, S_SSUM, S_SUM,
+                      S_SUMSQ, _decode_fp8, _put)
 from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
                        TS5, TS6, _INF, _MAXI, _NEGINF, _bit, _bit_rows)
 
@@ -41,9 +42,9 @@ def _count(h, sel):
 
 
 @triton.jit
-def _fold(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+def _fold(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9):
     return (tl.minimum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2), tl.minimum(a3, b3),
-            a4 + b4, a5 + b5, a6 + b6, a7 + b7)
+            a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8, a9 + b9)
 
 
 @triton.jit
@@ -78,13 +79,14 @@ def _count_bytes(cur, h, table, U: tl.constexpr, T: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
+def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8: tl.constexpr,
                U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
                PREF: tl.constexpr = 0, FPARTS: tl.constexpr = 3):
     # Returns the row's scalar fields as a 32-vector and the row's histogram (HBINS counts).
     # LANE: the shared-memory lane histogram (GPU) instead of tl.histogram. PREF (GPU): L2
     # prefetch, tiles ahead. FPARTS (benchmarks only, timing the epilogue; the row is wrong
-    # without both): bit 0 the scalar fields, bit 1 the histogram.
+    # without both): bit 0 the scalar fields, bit 1 the histogram. krow: the row's shift (the
+    # shifted sums are taken at it directly, from the byte values).
     TILE: tl.constexpr = U * T * V
     b = tl.arange(0, 256)
     h = tl.zeros([256], dtype=tl.int32)
@@ -118,35 +120,40 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, FP8: tl.constexpr,
     present = h > 0
     hf = h.to(tl.float64)
     x64 = tl.where(fin, x, 0.0).to(tl.float64)
+    dk = tl.where(fin, x.to(tl.float64) - krow, 0.0)
     fbits = tl.where(u > _INF, 0x7FC00000, bits)  # canonical NaN, as in the reference
     h64 = h.to(tl.int64)
     # one block-wide reduction for the extrema, sums and fingerprint, one for every count (each
     # is a barrier and a shared-memory round trip, in a chain the program ends on)
-    mn, mx, amx, amn, s1, s2, blo, bhi = tl.reduce(
+    mn, mx, amx, amn, s1, s2, blo, bhi, sk1, sk2 = tl.reduce(
         (tl.where(present & fin, x, float("inf")), tl.where(present & fin, x, float("-inf")),
          tl.where(present & fin, tl.abs(x), float("-inf")),
          tl.where(present & nz, tl.abs(x), float("inf")), hf * x64, hf * x64 * x64,
-         h64 * (fbits & 0xFFFF), h64 * ((fbits >> 16) & 0xFFFF)), 0, _fold)
-    # y = |x * scale| in float32, as the reference computes it
+         h64 * (fbits & 0xFFFF), h64 * ((fbits >> 16) & 0xFFFF), hf * dk, hf * dk * dk), 0,
+        _fold)
+    # y = |x * scale| in float32, as the reference computes it; zeros stay out of the format
+    # counts (0 * inf is NaN, whose bits pass every threshold)
     yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & _MAXI
     sel = (_bit(u > _INF, 1) | _bit(bits == _INF, 2) | _bit(bits == _NEGINF, 3)
            | _bit(fin & (u == 0), 4)
-           | _bit(fin & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
-           | _bit(fin & (yu > TH4) & (yu <= TS4), O_E4 + 2)
-           | _bit(fin & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
-           | _bit(fin & (yu > TH5) & (yu <= TS5), O_E5 + 2)
-           | _bit(fin & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
-           | _bit(fin & (yu > TH6) & (yu <= TS6), O_F16 + 2))
+           | _bit(nz & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
+           | _bit(nz & (yu > TH4) & (yu <= TS4), O_E4 + 2)
+           | _bit(nz & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
+           | _bit(nz & (yu > TH5) & (yu <= TS5), O_E5 + 2)
+           | _bit(nz & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
+           | _bit(nz & (yu > TH6) & (yu <= TS6), O_F16 + 2))
     cnt = tl.sum(_bit_rows(sel) * h[None, :], 1)  # int32: a program reads < 2^31
     counted = ((idx >= 1) & (idx <= 4)) | ((idx >= O_E4) & (idx < O_F16 + 3))
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
     v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, 5, mn)
-    v = _put(v, idx, 6, mx)
-    v = _put(v, idx, 7, amx)
-    v = _put(v, idx, 8, amn)
-    v = _put(v, idx, 9, s1)
-    v = _put(v, idx, 10, s2)
-    v = _put(v, idx, O_HIST - 2, blo)
-    v = _put(v, idx, O_HIST - 1, bhi)
+    v = _put(v, idx, S_MIN, mn)
+    v = _put(v, idx, S_MAX, mx)
+    v = _put(v, idx, S_AMAX, amx)
+    v = _put(v, idx, S_AMIN, amn)
+    v = _put(v, idx, S_SUM, s1)
+    v = _put(v, idx, S_SUMSQ, s2)
+    v = _put(v, idx, S_BLO, blo)
+    v = _put(v, idx, S_BHI, bhi)
+    v = _put(v, idx, S_SSUM, sk1)
+    v = _put(v, idx, S_SSQ, sk2)
     return v, _row_hist(h, FP8, FPARTS)  # last: fewer registers live (80 against 95)

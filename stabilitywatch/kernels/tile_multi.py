@@ -19,8 +19,9 @@ from ..stats.layout import N_STATS
 from .launch import FastLaunch
 from .stats_multi import _ELT as _MULTI_ELT, _device_table
 from .stats_tile import _careful_tiles, tile_shape
-from .stats_triton import (PREFETCH_AHEAD, _emit_scalars, _interpreting, _sm_count,
-                           prefetch_tiles, register_cap, tile_programs)
+from .row_ops import _claim_shift, _emit_scalars, _load_shift
+from .stats_triton import (PREFETCH_AHEAD, _interpreting, _sm_count, prefetch_tiles,
+                           register_cap, tile_programs)
 from .tile_fast import _fast_tiles
 from .tile_ops import HBINS, O_HIST
 
@@ -55,11 +56,15 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
     hc0 = tl.zeros([T], dtype=tl.int32)  # the careful pass's ballot counts: off here
     hc1 = hc0
     e0 = pid * 0
-    clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, FP8, U, T, V, False, LANE,
-                                 WORDS, 3, PREF)
+    # the shift: the tensor's first element (its full tiles start there; its tail, in
+    # stats_multi's launch, loads the same element)
+    kp = _load_shift(x_ptr, FP8)
+    krow = _claim_shift(out_ptr, kp)
+    clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8, U, T, V, False,
+                                 LANE, WORDS, 3, PREF)
     if clean == 0:
-        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, FP8,
-                                               False, U, T, V, False, 3, 0, PREF)
+        v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, kp, krow,
+                                               FP8, False, U, T, V, False, 3, 0, PREF)
     _emit_scalars(out_ptr, tl.arange(0, 32), v)
     bins = tl.arange(0, HBINS)
     tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,

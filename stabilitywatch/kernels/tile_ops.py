@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ..formats import FORMATS, Fmt
 from ..stats.layout import FMT_BASE, HIST_BINS, HIST_EMIN, Stat
-from .stats_triton import _decode_fp8
+from .row_ops import _decode_fp8
 
 _INF = tl.constexpr(0x7F800000)
 _MAXI = tl.constexpr(0x7FFFFFFF)
@@ -76,20 +76,25 @@ def _decode_tile(cur, FP8: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl
 
 
 @triton.jit
-def _add_sums(x, bits, s1, s2, blo, bhi, FP8: tl.constexpr, SUM32: tl.constexpr):
-    # per-thread float64 sum and sum of squares of a tile's values, and the fingerprint (sums of
-    # the low and high 16 bits of each value's float32 bit pattern)
+def _add_sums(x, bits, s1, s2, s2k, kf, blo, bhi, FP8: tl.constexpr, SUM32: tl.constexpr):
+    # per-thread float64 sum, sum of squares and sum of (x - kf)^2 of a tile's values (kf: the
+    # program's shift, float64, or 0 where x was zeroed), and the fingerprint (sums of the low
+    # and high 16 bits of each value's float32 bit pattern)
     if SUM32:  # float32 within the tile, float64 across tiles
         s1 += _tsum(x).to(tl.float64)
         s2 += _tsum(x * x).to(tl.float64)
+        dk = x - kf.to(tl.float32)
+        s2k += _tsum(dk * dk).to(tl.float64)
     else:
         x64 = x.to(tl.float64)
         s1 += _tsum(x64)
         s2 += _tsum(x64 * x64)
+        dk = x64 - kf
+        s2k += _tsum(dk * dk)
     if FP8 == 0:  # the low half is zero for bf16 and fp8 values
         blo += _tsum(bits & 0xFFFF).to(tl.int64)
     bhi += _tsum((bits >> 16) & 0xFFFF).to(tl.int64)
-    return s1, s2, blo, bhi
+    return s1, s2, s2k, blo, bhi
 
 
 @triton.jit

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..formats import FORMATS, ROW_FORMATS
-from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat
+from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, shift_is_set
+from .scale import effective_scales
 
 COUNT_KEYS = {"numel": Stat.NUMEL, "nan": Stat.NAN, "posinf": Stat.POSINF,
               "neginf": Stat.NEGINF, "zeros": Stat.ZEROS}
@@ -19,8 +20,9 @@ def finite_count(row: np.ndarray) -> float:
 
 
 def derive(row: np.ndarray, scale: float = 1.0) -> dict[str, float]:
-    """Named values of one row. Value statistics cover finite values only and are NaN when there
-    are none; std is the population standard deviation (ddof=0)."""
+    """Named values of one row. Value statistics (sum and l2norm included) cover finite values
+    only and are NaN when there are none; std is the population standard deviation (ddof=0).
+    The headroom uses the scale as the format counts do (stats/scale.py)."""
     return dict(derive_many(np.asarray(row, dtype=np.float64).reshape(1, N_STATS), [scale])[0])
 
 
@@ -28,7 +30,7 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
     """derive() for every row of a frame at once: the arithmetic runs on columns (numpy), only
     the final dicts are built per row (this runs in the training thread for every frame)."""
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_STATS)
-    scale = np.asarray(scales, dtype=np.float64).reshape(-1)
+    scale = effective_scales(scales).reshape(-1)
     nan = np.nan
     cols: dict[str, np.ndarray] = {k: rows[:, i] for k, i in COUNT_KEYS.items()}
     n = rows[:, Stat.NUMEL] - rows[:, Stat.NAN] - rows[:, Stat.POSINF] - rows[:, Stat.NEGINF]
@@ -42,13 +44,18 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
         cols["absmax"] = absmax
         nz = rows[:, Stat.ABSMIN_NZ]
         cols["absmin_nonzero"] = np.where(np.isfinite(nz), nz, nan)
-        cols["sum"] = rows[:, Stat.SUM]
+        cols["sum"] = np.where(has, rows[:, Stat.SUM], nan)  # the row keeps 0: it merges
         mean = np.where(has, rows[:, Stat.SUM] / safe_n, nan)
         ms = np.where(has, rows[:, Stat.SUMSQ] / safe_n, nan)
         cols["mean"] = mean
-        cols["std"] = np.where(has, np.sqrt(np.maximum(ms - mean * mean, 0.0)), nan)
+        # from the shifted sums (precise when the mean is large against the spread); a row
+        # made by hand without them (its shift unset) from the plain ones
+        dm = rows[:, Stat.SHIFT_SUM] / safe_n
+        var = np.where(shift_is_set(rows[:, Stat.SHIFT]),
+                       rows[:, Stat.SHIFT_SUMSQ] / safe_n - dm * dm, ms - mean * mean)
+        cols["std"] = np.where(has, np.sqrt(np.maximum(var, 0.0)), nan)
         cols["rms"] = np.where(has, np.sqrt(ms), nan)
-        cols["l2norm"] = np.sqrt(rows[:, Stat.SUMSQ])
+        cols["l2norm"] = np.where(has, np.sqrt(rows[:, Stat.SUMSQ]), nan)
         nonzero = n - rows[:, Stat.ZEROS]
         amax_s = absmax * scale
         for fmt in ROW_FORMATS:

@@ -1,8 +1,11 @@
 """Pure-torch statistics row: the CPU path, the fallback, and the test oracle of the kernels.
 
 It does the same arithmetic as the Triton kernel (values upcast to float32, y = x * scale in
-float32, float64 sums), so counts and min/max agree exactly and sums to rounding. It never
-syncs with the host: no item()/tolist(), no boolean-mask indexing, histogram by scatter_add.
+float32, float64 sums), so counts and min/max agree exactly and sums to rounding. float64 inputs
+(no kernel reads them) stay float64 throughout: narrowing them would turn values beyond
+float32's range into Inf or zero and round values next to a format's thresholds across them.
+The scale follows stats/scale.py's rule. It never syncs with the host: no item()/tolist(), no
+boolean-mask indexing, histogram by scatter_add.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import HIST_BINS, HIST_EMIN, ROW_DTYPE, init_row_tensor
+from .scale import effective_scale, effective_scale_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
                     torch.float8_e5m2, torch.float64)
@@ -26,11 +30,13 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     if t.numel() == 0:
         return init_row_tensor(t.device)
     work = torch.float64 if t.dtype == torch.float64 else torch.float32
-    x = t.detach().reshape(-1).to(work)
+    # resolve_neg: a view with the negative bit set (complex.conj().imag) holds the values
+    # un-negated in memory; bit views of it are refused
+    x = t.detach().resolve_neg().reshape(-1).to(work)
     if isinstance(scale, torch.Tensor):
-        s = scale.detach().to(device=x.device, dtype=work).reshape(())
+        s = effective_scale_tensor(scale.to(x.device)).to(work)
     else:
-        s = float(scale)
+        s = effective_scale(scale)
     inf = float("inf")
 
     nan = x.isnan()
@@ -52,6 +58,11 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
     counts = torch.stack(masks, 1).sum(0, dtype=torch.int64).to(ROW_DTYPE)
 
     xf = torch.where(finite, x, 0.0).to(torch.float64)
+    # the shift: the first element (the kernels' too: flat_view starts at element [0, ..., 0]),
+    # 0 when it is not finite; never -0.0 (the unset mark)
+    k = x[0].to(torch.float64)
+    k = torch.where(k.isfinite() & (k != 0), k, 0.0)
+    dev = torch.where(finite, x.to(torch.float64) - k, 0.0)
     mn = torch.where(finite, x, inf).min()
     mx = torch.where(finite, x, -inf).max()
     extrema = torch.stack([mn, mx, torch.maximum(-mn, mx),  # absmax: -inf when nothing is finite
@@ -63,6 +74,7 @@ def reference_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> torch
         torch.stack([xf.sum(), torch.dot(xf, xf)]),   # SUM, SUMSQ
         counts[4:],                                   # format counts
         _fingerprint(x),                              # BITS_LO, BITS_HI
+        torch.stack([k, dev.sum(), torch.dot(dev, dev)]),  # SHIFT, SHIFT_SUM, SHIFT_SUMSQ
     ])
 
     # floor(log2 |x|) exactly: frexp gives |x| = m * 2**e with m in [0.5, 1).
