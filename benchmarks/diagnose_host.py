@@ -7,8 +7,9 @@ The GPT-2-small-shaped model of bench_overhead at 12 layers, shrunk to a width t
 a few ms (d 32, sequence 8), without and with the monitor, statistics launches replaced by
 no-ops: what is left is the hooks, the bookkeeping and the frame's detectors and records, the
 work that makes full coverage host-bound on machines whose host is slower than their GPU
-(benchmarks/RESULTS.md, session 6). Printed: ms per step in the forward, the backward, the
-optimizer step (with the taps around it) and the step's end (frames, detectors, records).
+(benchmarks/RESULTS.md, "Host work per step"). Printed: ms per step in the forward, the
+backward, the optimizer step (with the taps around it) and the step's end (frames, detectors,
+records).
 
 --device cuda keeps the kernels: the same tiny model on the GPU, whose kernels finish long
 before the host has launched them, so each part's time is the host's, launches included.

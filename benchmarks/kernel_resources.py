@@ -3,9 +3,11 @@ without a GPU (Triton compiles to PTX; the ptxas shipped with Triton assembles i
 
     python benchmarks/kernel_resources.py
 
-Cheaper than device time for layout and register work; the GPU's own figures come from
-benchmarks/diagnose_kernel.py. Needs a Triton whose bundled ptxas accepts its PTX (triton 3.9:
-ptxas-blackwell).
+Cheaper than device time for layout and register work. The device's own ptxas can assign
+registers differently (benchmarks/RESULTS.md, "Compiled kernel resources"): check occupancy on
+the GPU before trusting a register count near a cap. compile_tile(..., sass=FILE) also writes
+the SASS, to count a loop's instructions. Needs a Triton whose bundled ptxas accepts its PTX
+(triton 3.9: ptxas-blackwell).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from stabilitywatch.kernels import stats_tile  # noqa: E402
+from stabilitywatch.kernels import stats_tile, stats_triton  # noqa: E402
 
 PTR = {0: "*fp32", 1: "*u8", 2: "*u8", 3: "*i16"}
 
@@ -31,10 +33,11 @@ def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, 
     k = stats_tile._tile_stats_kernel
     u, t, v = shape
     c = dict(FP8=fp8, SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, SUM32=False, PARTS=3,
-             BALLOT=0, FAST=2, WORDS=False, BYTES=False, FPARTS=3, WIDE=False)
+             BALLOT=0, FAST=2, WORDS=False, BYTES=False, FPARTS=3, PREF=0, WIDE=False)
     c.update(consts)
+    # Triton passes an n_full below 2^31 as int32: i64 only for the WIDE kernels
     sig = {"x_ptr": PTR[fp8], "out_ptr": "*fp64", "scale_ptr": "*fp64", "scale_val": "fp32",
-           "n_full": "i64", **{n: "constexpr" for n in c}}
+           "n_full": "i64" if c["WIDE"] else "i32", **{n: "constexpr" for n in c}}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): val for n, val in c.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})  # aligned pointers
@@ -65,13 +68,27 @@ def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, 
 
 
 def main() -> int:
-    print("| input | tile (U, T, V) | warps | scaled | fast | registers | spill bytes | shared |")
-    print("|---|---|---:|---|---:|---:|---:|---:|")
+    # the kernels a large tensor gets on an sm_90 GPU: stats_triton._RowPlan's constexprs and
+    # register cap (a 4-byte aligned tensor, a scale of 1 or a float scale, default tuning)
+    print("| input | pass | tile (U, T, V) | warps | register cap | registers | spill bytes | "
+          "shared |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for name, fp8, item in (("bf16", 3, 2), ("fp32", 0, 4), ("e4m3", 1, 1)):
         shape = stats_tile.tile_shape(item, False, 4)
-        for scaled, fast in ((False, 2), (False, 0), (True, 0)):
-            r, s, sh = compile_tile(fp8, shape, 4, SCALED=scaled, FAST=fast, BALLOT=int(not fast))
-            print(f"| {name} | {shape} | 4 | {scaled} | {fast} | {r} | {s} | {sh} |")
+        bytes_ = fp8 in (1, 2)
+        for label, scaled, fast in (("fast", False, 2), ("careful only", False, 0),
+                                    ("scaled", True, 2)):
+            consts, opts = stats_tile.tile_consts(
+                True, False, scaled, fp8, shape, False, 3, True, fast, True, bytes_,
+                stats_triton.register_cap(fp8 == 3), 3,
+                stats_triton.PREFETCH_AHEAD[bytes_ or fp8 == 3])
+            if consts["BYTES"]:
+                label = "fp8 bytes" + (", scaled" if scaled else "")
+            elif scaled:
+                label = "scaled (careful)"
+            cap = opts.get("maxnreg")
+            r, s, sh = compile_tile(fp8, shape, 4, maxnreg=cap, **consts)
+            print(f"| {name} | {label} | {shape} | 4 | {cap or '-'} | {r} | {s} | {sh} |")
     return 0
 
 

@@ -76,3 +76,15 @@ def test_diagnose_launches_smoke(capsys):
     out = capsys.readouterr().out
     assert "| one tensor | bf16 |" in out and "| many small | fp32 |" in out
     assert "all launches:" in out
+
+
+def test_bench_torchao_smoke(capsys):
+    # HF Llama and torchao's float8 emulation at tiny shapes: ~10 s of CPU, most of it imports
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    import bench_torchao
+    assert bench_torchao.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("no monitor", "watch (default)", "watch_float8 (default)",
+                 "watch_float8, every step"):
+        assert f"| {kind} |" in out
