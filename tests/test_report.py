@@ -120,12 +120,21 @@ def test_incidents_root_first_with_consequences_counted(tmp_path):
         {"step": 3, "severity": "info", "detector": "drift", "module": "c", "tensor": "weight",
          "stat": "log2_absmax", "value": "nan", "message": "m-c", "capture": "../../etc",
          "incident": "s3-1", "root": False},
+        {"step": 5, "severity": "critical", "detector": "nonfinite", "module": "d",
+         "tensor": "output", "stat": "nan", "value": "nan", "message": "m-d",
+         "capture": "captures/step00000005-rank0", "incident": "s3-1", "root": False},
     ]
+    (tmp_path / "captures" / "step00000005-rank0").mkdir(parents=True)
     (tmp_path / "alerts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"ste')
     text = report(tmp_path)
     assert text.index("m-a") < text.index("m-b") < text.index("m-c")
-    assert "2 consequence(s): 1 warning, 1 info" in text
-    assert "1 unreadable line(s) skipped (alerts.jsonl:4)" in text
+    assert "3 consequence(s): 1 critical, 1 warning, 1 info" in text
+    assert "1 unreadable line(s) skipped (alerts.jsonl:5)" in text
+    # the incident's row names every bundle of its alerts; one outside the run dir is no link
+    root_row = text.split("m-a", 1)[1].split("</tr>", 1)[0]
+    assert "href='captures/step00000005-rank0'" in root_row
+    assert "../../etc</code> (missing)" in root_row
+    assert not any(".." in h for h in Page(text).links)
     assert "No loss or gradient-norm records" in text and "no stats.jsonl" in text
 
 

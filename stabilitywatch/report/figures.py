@@ -52,11 +52,17 @@ def _draw_curve(ax, steps, vals, colour, log: bool) -> None:
     if log:
         ax.set_yscale("log")
     bad = steps[~np.isfinite(vals)]
-    if len(bad):
-        ax.plot(bad, np.full(len(bad), 0.97), transform=ax.get_xaxis_transform(),
-                linestyle="none", marker="v", color="#d62728", markersize=7,
-                label=f"non-finite ({len(bad)} step{'s' if len(bad) > 1 else ''})")
-        ax.legend(loc="upper left", fontsize=8, frameon=False)
+    zero = steps[vals == 0] if log else steps[:0]   # no place on a log axis
+    said = []
+    for where, y, marker, colour, what in ((bad, 0.97, "v", "#d62728", "\u25bc non-finite"),
+                                           (zero, 0.03, "^", "#7f7f7f", "\u25b2 zero")):
+        if len(where):
+            ax.plot(where, np.full(len(where), y), transform=ax.get_xaxis_transform(),
+                    linestyle="none", marker=marker, color=colour, markersize=7)
+            said.append(f"{what} at {len(where)} step{'s' if len(where) > 1 else ''}")
+    if said:
+        ax.set_title(";  ".join(said), loc="right", fontsize=8, color="#d62728" if len(bad)
+                     else "#7f7f7f")
 
 
 def curves_svg(loss: dict, grad_norm: dict, alerts: list) -> str:

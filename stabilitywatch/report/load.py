@@ -52,11 +52,12 @@ def rank_files(run_dir: Path, kind: str) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def iter_json_lines(path: Path, bad: list) -> Iterator[dict]:
-    """The JSON objects of a .jsonl file; unreadable lines are appended to `bad` as (path, line)."""
+def iter_json_lines(path: Path, bad: list, keep=None) -> Iterator[dict]:
+    """The JSON objects of a .jsonl file; unreadable lines are appended to `bad` as (path, line).
+    `keep(line)`, when given, is asked first: False skips the line without parsing it."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            if not raw.strip():
+            if not raw.strip() or (keep is not None and not keep(raw)):
                 continue
             try:
                 obj = json.loads(raw)
@@ -165,7 +166,7 @@ def _scan(files: list[Path]) -> tuple[dict, set, int]:
                     continue
                 lines += 1
                 try:
-                    module, role = json.loads(mm.group(1)), json.loads(mt.group(1))
+                    module, role = _literal(mm.group(1)), _literal(mt.group(1))
                 except ValueError:
                     continue
                 if role in WHOLE_MODEL or '"absmax"' not in line:
@@ -185,6 +186,10 @@ def load_run(run_dir: Path, roles: Optional[list] = None, formats: Optional[list
     order, steps, d.stats_lines = _scan(files)
     d.roles_in_stats = list(order)
     if roles:
+        missing = [r for r in roles if r not in order]
+        if missing and order:
+            raise ValueError(f"--roles: {missing[0]!r} has no statistics in this run (roles "
+                             f"read: {', '.join(r for r in order)})")
         chosen = [r for r in roles if r in order]
     else:
         chosen = [r for r in DEFAULT_ROLES if r in order]
@@ -216,7 +221,7 @@ def load_run(run_dir: Path, roles: Optional[list] = None, formats: Optional[list
     fmts_seen: set = set()
     junk: list = []
     for p in files:
-        for rec in iter_json_lines(p, junk):
+        for rec in iter_json_lines(p, junk, keep=lambda line: _wanted(line, row_of)):
             role, module, st = rec.get("tensor"), rec.get("module"), rec.get("stats")
             step = rec.get("step")
             if not isinstance(st, dict) or not isinstance(step, int):
@@ -241,6 +246,25 @@ def load_run(run_dir: Path, roles: Optional[list] = None, formats: Optional[list
     d.bad_lines += junk
     d.formats_in_stats = [f for f in FORMATS if f in fmts_seen]
     return d
+
+
+def _literal(s: str) -> str:
+    """A JSON string literal's value (most need no unescaping)."""
+    return s[1:-1] if "\\" not in s else json.loads(s)
+
+
+def _wanted(raw: bytes, row_of: dict) -> bool:
+    """Whether a statistics line can matter (parsing every line dominates the time otherwise);
+    a line whose keys the regexes do not find is parsed, to be judged whole."""
+    line = raw.decode("utf-8", "replace")
+    mm, mt = _MODULE.search(line), _TENSOR.search(line)
+    if not (mm and mt):
+        return True
+    try:
+        module, role = _literal(mm.group(1)), _literal(mt.group(1))
+    except ValueError:
+        return True
+    return (module == "" and role in WHOLE_MODEL) or module in row_of.get(role, ())
 
 
 def _curve_point(curve: dict, step: int, role: str, st: dict) -> None:

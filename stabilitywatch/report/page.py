@@ -25,7 +25,7 @@ th{background:#f6f6f6}code{font-size:12px;background:#f4f4f4;padding:0 3px}
 .critical{background:#d62728}.warning{background:#ff7f0e}.info{background:#7f7f7f}
 .root td{background:#fff8f6}.fig svg{max-width:100%;height:auto}
 .cols{columns:3 380px;font-size:12px}.cols div{break-inside:avoid;padding:1px 0}
-.ok{color:#2a7a2a}.bad{color:#b00}details{margin:4px 0}summary{cursor:pointer}
+.ok{color:#2a7a2a}hr{border:0;border-top:1px dashed #ddd;margin:4px 0}.bad{color:#b00}details{margin:4px 0}summary{cursor:pointer}
 """
 
 
@@ -69,24 +69,34 @@ def _alert_cells(a: dict) -> str:
             f"</td><td>{_e(a.get('message'))}</td>")
 
 
-def _capture_cell(a: dict, d, verdicts: dict, out: Path) -> str:
-    cap = a.get("capture")
-    if not cap:
-        return "<td class='muted'>none</td><td></td>"
+def _bundle_html(cap: str, d, verdicts: dict, out: Path) -> tuple[str, str]:
+    """(link, verdict) cells' contents for one capture path."""
     b = bundle_path(d.run_dir, cap)
     if b is None:
-        return f"<td class='bad'><code>{_e(cap)}</code> (missing)</td><td></td>"
+        return f"<span class='bad'><code>{_e(cap)}</code> (missing)</span>", ""
     link = f"<a href='{_href(b, out)}'><code>{_e(cap)}</code></a>"
     v = verdicts.get(b)
     if v is None:
         cmd = f"stabilitywatch replay {b} --json {b}.replay.json"
-        return (f"<td>{link}</td><td class='muted'>not replayed: <code>{_e(cmd)}</code></td>")
+        return link, f"<span class='muted'>not replayed: <code>{_e(cmd)}</code></span>"
     label, sentence = verdict_text(v["report"])
     cls = "ok" if v["report"].get("reproduces") is True else "bad"
     more = f" ({v['others']} older report(s))" if v["others"] else ""
-    return (f"<td>{link}</td><td><span class='{cls}'>{_e(label)}</span><br>"
-            f"<span class='note'>{_e(sentence)}</span><br>"
-            f"<a class='note' href='{_href(v['file'], out)}'>{_e(v['file'].name)}</a>{_e(more)}</td>")
+    return link, (f"<span class='{cls}'>{_e(label)}</span><br>"
+                  f"<span class='note'>{_e(sentence)}</span><br>"
+                  f"<a class='note' href='{_href(v['file'], out)}'>{_e(v['file'].name)}</a>"
+                  f"{_e(more)}")
+
+
+def _capture_cells(group: list, d, verdicts: dict, out: Path) -> str:
+    """The bundles of an incident's alerts (the root's first), each with its verdict."""
+    caps = list(dict.fromkeys(a["capture"] for a in group
+                              if isinstance(a.get("capture"), str) and a["capture"]))
+    if not caps:
+        return "<td class='muted'>none</td><td></td>"
+    cells = [_bundle_html(c, d, verdicts, out) for c in caps]
+    return ("<td>" + "<br>".join(c[0] for c in cells) + "</td><td>"
+            + "<hr>".join(c[1] for c in cells if c[1]) + "</td>")
 
 
 def timeline_html(d, verdicts: dict, out: Path) -> str:
@@ -98,7 +108,7 @@ def timeline_html(d, verdicts: dict, out: Path) -> str:
     main, quiet = [], []
     for g in groups:
         worst = max(SEVERITY_RANK.get(a.get("severity"), 0) for a in g)
-        rows = [f"<tr class='root'>{_alert_cells(g[0])}{_capture_cell(g[0], d, verdicts, out)}</tr>"]
+        rows = [f"<tr class='root'>{_alert_cells(g[0])}{_capture_cells(g, d, verdicts, out)}</tr>"]
         if len(g) > 1:
             inner = "".join(f"<tr>{_alert_cells(a)}</tr>" for a in g[1:])
             by = {}
