@@ -182,7 +182,7 @@ def test_large_runs_are_sampled_and_say_so(tmp_path):
     synthetic(tmp_path)
     text = report(tmp_path, "--max-modules", "10", "--max-steps", "20")
     assert "heatmap output: 10 of 50 modules" in text
-    assert "100 steps in 20 columns of 5 steps" in text
+    assert "100 recorded steps in 20 columns of 5 consecutive recorded steps" in text
     assert "layers.33</text>" in text      # the module an alert names stays a row
     assert "layers.0</text>" in text and "layers.49</text>" in text
     assert ">loss<" in text and "gradient norm" in text
@@ -197,8 +197,11 @@ def test_bad_path_and_bad_arguments_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("stabilitywatch report: error: ") and "\n" not in err, err
     synthetic(tmp_path)
-    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "no" / "dir.html")]) == 2
-    assert "\n" not in capsys.readouterr().err.strip()
+    for argv in (["--out", str(tmp_path / "no" / "dir.html")], ["--roles", "outptu"]):
+        assert cli.main(["report", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("stabilitywatch report: error: ") and "\n" not in err, err
+    assert "'outptu' has no statistics in this run (roles read: output)" in err
 
 
 def test_without_matplotlib_says_what_to_install(tmp_path):

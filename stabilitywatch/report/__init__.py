@@ -66,16 +66,12 @@ def write_report(run_dir, out=None, roles: Optional[Sequence[str]] = None,
 def _marks(d, g) -> list[tuple[int, int]]:
     """(column, row) of the cells that warning/critical alerts name for this role."""
     rows = {m: i for i, m in enumerate(g.modules)}
-    first = d.columns[0] if d.columns else 0
-    index = {s: i for i, s in enumerate(d.columns)}
     out = set()
     for a in d.alerts:
         if a.get("severity") not in ("warning", "critical") or a.get("tensor") != g.role:
             continue
-        r, step = rows.get(a.get("module")), a.get("step")
-        if r is None or not isinstance(step, int) or isinstance(step, bool):
-            continue
-        c = index.get(step) if d.step_bin == 1 else (step - first) // d.step_bin
-        if c is not None and 0 <= c < len(d.columns):
+        step = a.get("step")
+        r, c = rows.get(a.get("module")), d.col_of.get(step) if isinstance(step, int) else None
+        if r is not None and c is not None:
             out.add((c, r))
     return sorted(out)

@@ -15,6 +15,7 @@ except ImportError:   # the report's optional dependency; cli.py says what to in
 MAX_CURVE_POINTS = 4000
 SEVERITY_COLOURS = {"critical": "#d62728", "warning": "#ff7f0e"}
 FRAC_FLOOR = 1e-6
+OUTLIER_BITS = 3.0
 
 
 def _svg(fig) -> str:
@@ -91,23 +92,28 @@ def curves_svg(loss: dict, grad_norm: dict, alerts: list) -> str:
 
 
 def _robust_range(lg: np.ndarray) -> tuple[float, float]:
-    """The colour range of log2 absmax: the 0.5th..99.5th percentile of the finite cells, so
-    that one fault of 2^100 leaves the healthy cells' variation visible (it shows as orange)."""
+    """The colour range of log2 absmax: the finite cells' range, except that an end more than
+    OUTLIER_BITS beyond the 0.5th/99.5th percentile stops one bit past it, so that one fault of
+    2^100 leaves the healthy cells' variation visible (above the range it shows orange)."""
     fin = lg[np.isfinite(lg)]
     if not fin.size:
         return -1.0, 1.0
     lo, hi = (float(x) for x in np.percentile(fin, [0.5, 99.5]))
-    if hi - lo < 1:
-        lo, hi = lo - 0.5, hi + 0.5
-    return lo, hi
+    vmin, vmax = float(fin.min()), float(fin.max())
+    vmin = vmin if lo - vmin <= OUTLIER_BITS else lo - 1
+    vmax = vmax if vmax - hi <= OUTLIER_BITS else hi + 1
+    if vmax - vmin < 1:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    return vmin, vmax
 
 
 def _xticks(ax, columns: list, step_bin: int) -> None:
     n = len(columns)
-    ticks = sorted(set(np.linspace(0, n - 1, min(n, 10)).round().astype(int).tolist()))
+    ticks = sorted(set(np.linspace(0, n - 1, min(n, 7)).round().astype(int).tolist()))
     ax.set_xticks(ticks)
     ax.set_xticklabels([str(columns[t]) for t in ticks], fontsize=7)
-    ax.set_xlabel("step" if step_bin == 1 else f"step ({step_bin} steps per column, max shown)",
+    ax.set_xlabel("step" if step_bin == 1 else
+                  f"step ({step_bin} recorded steps per column, the largest value shown)",
                   fontsize=8)
 
 
@@ -126,7 +132,7 @@ def heatmap_svg(grid, columns: list, step_bin: int, formats: list, marks: list) 
     # a fixed layout in inches: constrained layout measures every tick label many times over
     width, row_h, top, bottom = 13.5, 0.135, 0.3, 1.05
     left = 0.3 + 0.6 * fs / 72 * max((len(m) for m in grid.modules), default=4)
-    gap, right = 0.15, 0.15
+    gap, right = 0.3, 0.15
     height = top + bottom + max(row_h * n_mod, 0.5)
     fig = Figure(figsize=(width, height))
     pw = (width - left - right - gap * (panels - 1)) / panels
@@ -143,15 +149,15 @@ def heatmap_svg(grid, columns: list, step_bin: int, formats: list, marks: list) 
     absmax = grid.stats["absmax"]
     with np.errstate(divide="ignore", invalid="ignore"):
         lg = np.log2(absmax)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6", under="#000000",
-                                                           over="#ff7f0e")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6", over="#ff7f0e")
     vmin, vmax = _robust_range(lg)
-    lg = np.where(np.isneginf(lg), vmin - 1, lg)   # absmax 0: every value zero
-    im = axes[0].imshow(lg, aspect="auto", interpolation="nearest", cmap=cmap,
-                        vmin=vmin, vmax=vmax, extent=extent)
-    nonfinite = np.ma.masked_where(~(grid.stats["nonfinite"] > 0), np.ones_like(absmax))
-    axes[0].imshow(nonfinite, aspect="auto", interpolation="nearest",
-                   cmap=ListedColormap(["#ff00ff"]), vmin=0, vmax=1, extent=extent)
+    im = axes[0].imshow(np.where(np.isfinite(lg), np.maximum(lg, vmin), lg), aspect="auto",
+                        interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax, extent=extent)
+    for mask, colour in ((np.isneginf(lg), "#000000"),              # absmax 0: every value zero
+                         (grid.stats["nonfinite"] > 0, "#ff00ff")):
+        axes[0].imshow(np.ma.masked_where(~mask, np.ones_like(absmax)), aspect="auto",
+                       interpolation="nearest", cmap=ListedColormap([colour]), vmin=0, vmax=1,
+                       extent=extent)
     fig.colorbar(im, cax=cbars[0], orientation="horizontal",
                  extend="max" if np.nanmax(lg, initial=-np.inf) > vmax else "neither")
     axes[0].set_title("log2 absmax", fontsize=9)

@@ -86,6 +86,9 @@ def read_alerts(run_dir: Path, bad: list) -> list[dict]:
     for rank, p in rank_files(run_dir, "alerts"):
         for i, a in enumerate(iter_json_lines(p, bad)):
             a.setdefault("rank", rank)
+            for k in ("step", "rank", "incident", "module", "capture"):   # grouped and looked up
+                if isinstance(a.get(k), (list, dict)):
+                    a[k] = json.dumps(a[k])
             a["_order"] = (rank, i)
             alerts.append(a)
     alerts.sort(key=lambda a: (num(a.get("step")) if math.isfinite(num(a.get("step"))) else 0,
@@ -114,7 +117,8 @@ class RunData:
     loss: dict = field(default_factory=dict)        # step -> value (NaN/inf kept)
     grad_norm: dict = field(default_factory=dict)
     columns: list = field(default_factory=list)     # first step of each heatmap column
-    step_bin: int = 1                               # steps per column (1: one column per step)
+    step_bin: int = 1                               # recorded steps per column
+    col_of: dict = field(default_factory=dict)      # recorded step -> column
     heat_steps: int = 0                             # distinct steps with heatmap rows
     grids: dict = field(default_factory=dict)       # role -> Grid
     formats: dict = field(default_factory=dict)     # role -> [format, ...]
@@ -199,14 +203,11 @@ def load_run(run_dir: Path, roles: Optional[list] = None, formats: Optional[list
     keep = _alert_modules(d.alerts)
     srt = sorted(steps)
     d.heat_steps = len(srt)
-    if srt and len(srt) > max_steps:
-        d.step_bin = -(-(srt[-1] - srt[0] + 1) // max_steps)
-        d.columns = list(range(srt[0], srt[-1] + 1, d.step_bin))
-        col_of = lambda s: (s - srt[0]) // d.step_bin  # noqa: E731
-    else:
-        d.columns = srt
-        index = {s: i for i, s in enumerate(srt)}
-        col_of = index.get
+    # consecutive recorded steps share a column: no empty columns when steps are sampled
+    d.step_bin = max(1, -(-len(srt) // max_steps))
+    d.columns = srt[::d.step_bin]
+    d.col_of = {s: i // d.step_bin for i, s in enumerate(srt)}
+    col_of = d.col_of.get
     ncol = len(d.columns)
     row_of = {}
     for role in chosen:

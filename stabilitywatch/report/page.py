@@ -183,8 +183,9 @@ def notes_html(d) -> str:
         notes.append(f"{len(d.bad_lines)} unreadable line(s) skipped ({where}"
                      + (", ..." if len(d.bad_lines) > 5 else "") + ")")
     if d.step_bin > 1:
-        notes.append(f"heatmaps: {d.heat_steps} steps in {len(d.columns)} columns of "
-                     f"{d.step_bin} steps; a cell shows the largest value in its column")
+        notes.append(f"heatmaps: {d.heat_steps} recorded steps in {len(d.columns)} columns "
+                     f"of {d.step_bin} consecutive recorded steps; a cell shows the largest "
+                     "value in its column (--max-steps to change)")
     for g in d.grids.values():
         if len(g.modules) < g.total_modules:
             notes.append(f"heatmap {g.role}: {len(g.modules)} of {g.total_modules} modules "
@@ -220,7 +221,8 @@ def page(d, curves: str, heatmaps: list, verdicts: dict, out: Path) -> str:
 <p class="note">Rows: modules in the order they were first recorded; columns: steps with
 statistics. Grey: not read at that step; circles: cells named by a warning or critical alert.
 log2 absmax (over finite values): magenta where NaN/Inf are present, orange above the colour
-scale (the 0.5th to 99.5th percentile of the cells), black where every value is zero. Fractions of
+scale (which ends one bit past the 99.5th percentile of the cells when the largest lies more than
+3 bits beyond it, likewise at the low end), black where every value is zero. Fractions of
 values that would underflow (of the nonzero ones) or overflow (of the finite ones) in the format,
 on a log scale; white: none.</p>
 {heat}

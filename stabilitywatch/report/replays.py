@@ -100,8 +100,11 @@ def verdict_text(rep: dict) -> tuple[str, str]:
     if v:
         words.append(v)
     if isinstance(first, str) and first:
-        words.append(f"first divergent module: {first}")
-        label += f"; departs at {first}"
+        fd = rep.get("first_divergent")
+        role = fd.get("tensor") if isinstance(fd, dict) and isinstance(fd.get("tensor"), str) else ""
+        where = f"{first} ({role})" if role else first
+        words.append(f"first divergent module: {where}")
+        label += f"; departs at {where}"
     elif "first_divergent_module" in rep:
         words.append("no module departs from the reference beyond the tolerance")
     up = rep.get("upcast")
