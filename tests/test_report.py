@@ -50,10 +50,17 @@ class Page(HTMLParser):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    """A real monitored run whose fc2 overflows fp16 at FAULT_STEP (about 5 s on a loaded CPU):
+    the page is judged on what the monitor writes, bundles included."""
     d = tmp_path_factory.mktemp("run") / "r"
     cfg = sw.Config(every=1, sinks=("jsonl",), formats={"output": "fp16"})
     train(d, steps=7, fault_step=FAULT_STEP, config=cfg)
     return d
+
+
+@pytest.fixture(scope="module")
+def page_text(run_dir):
+    return report(run_dir)
 
 
 def critical(run_dir):
@@ -66,11 +73,9 @@ def report(run_dir, *extra):
     return (run_dir / "report.html").read_text()
 
 
-def test_page_lists_the_critical_alert_with_its_module_and_bundle(run_dir, capsys):
+def test_page_lists_the_critical_alert_with_its_module_and_bundle(run_dir, page_text):
     alert = critical(run_dir)
-    text = report(run_dir)
-    assert f"report: {run_dir / 'report.html'}" in capsys.readouterr().out
-    page = Page(text)
+    page = Page(page_text)
     row = next(" ".join(r) for r in page.rows if "critical" in r and str(alert["step"]) in r
                and alert["module"] in r)
     assert alert["tensor"] in row and alert["detector"] in row
@@ -80,8 +85,8 @@ def test_page_lists_the_critical_alert_with_its_module_and_bundle(run_dir, capsy
     assert (run_dir / alert["capture"] / "manifest.json").is_file()
 
 
-def test_page_holds_the_curves_and_heatmaps_and_fetches_nothing(run_dir):
-    text = report(run_dir)
+def test_page_holds_the_curves_and_heatmaps_and_fetches_nothing(run_dir, page_text):
+    text = page_text
     page = Page(text)
     assert page.fetching == []
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
@@ -217,12 +222,15 @@ def test_without_matplotlib_says_what_to_install(tmp_path):
     assert not (tmp_path / "report.html").exists()
 
 
-def test_out_elsewhere_keeps_links_working(run_dir, tmp_path):
+def test_out_elsewhere_keeps_links_working(run_dir, tmp_path, capsys):
     out = tmp_path / "elsewhere" / "page.html"
     out.parent.mkdir()
     assert cli.main(["report", str(run_dir), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"report: {out}\n"
     links = [unquote(h) for h in Page(out.read_text()).links if "captures" in h]
     assert links and all((out.parent / h).resolve().is_dir() for h in links)
+    assert cli.main(["report", str(run_dir), "--out", str(out.parent)]) == 0   # a directory
+    assert (out.parent / "report.html").read_text().count("<svg") == 5
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -230,11 +238,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="developer check: needs Debian's chromium "
                                              "(apt-get install chromium)")
-def test_screenshot_in_headless_chromium_is_not_blank(run_dir, tmp_path):
-    import numpy as np
+def test_screenshot_in_headless_chromium_is_not_blank(run_dir, page_text, tmp_path):
     from matplotlib.image import imread
 
-    report(run_dir)
     shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",

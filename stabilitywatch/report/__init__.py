@@ -26,7 +26,8 @@ class MissingDependency(RuntimeError):
 def write_report(run_dir, out=None, roles: Optional[Sequence[str]] = None,
                  formats: Optional[Sequence[str]] = None, max_modules: int = 60,
                  max_steps: int = 240) -> Path:
-    """Write the report of `run_dir` to `out` (default RUN_DIR/report.html); returns its path."""
+    """Write the report of `run_dir` to `out` (a file, or a directory to hold report.html;
+    default RUN_DIR/report.html) and return its path. ValueError/OSError for a bad path."""
     from . import figures, page
 
     if not figures.available():
@@ -41,6 +42,8 @@ def write_report(run_dir, out=None, roles: Optional[Sequence[str]] = None,
     if max_modules < 1 or max_steps < 2:
         raise ValueError("need --max-modules >= 1 and --max-steps >= 2")
     out = Path(out) if out is not None else run_dir / DEFAULT_NAME
+    if out.is_dir():
+        out = out / DEFAULT_NAME
     d = load_run(run_dir, roles=list(roles) if roles else None,
                  formats=list(formats) if formats else None,
                  max_modules=max_modules, max_steps=max_steps)
@@ -57,9 +60,13 @@ def write_report(run_dir, out=None, roles: Optional[Sequence[str]] = None,
         heatmaps.append((role, figures.heatmap_svg(g, d.columns, d.step_bin, d.formats[role],
                                                    _marks(d, g))))
     text = page.page(d, curves, heatmaps, verdicts, out.resolve())
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
+    tmp = out.with_name(f".{out.name}.tmp")   # a page is complete or absent
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return out
 
 
