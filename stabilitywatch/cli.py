@@ -1,4 +1,5 @@
-"""Command line: `stabilitywatch demo | replay | inspect`. Errors are one line and a non-zero exit."""
+"""Command line: `stabilitywatch demo | replay | inspect`, `--version`. Errors are one line and a
+non-zero exit (capture/cli_verbs.py lists replay's exit statuses)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,8 @@ from typing import Optional, Sequence
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stabilitywatch",
                                 description="Mixed-precision numerical stability monitor.")
+    from . import __version__
+    p.add_argument("--version", action="version", version=f"stabilitywatch {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a small model with an injected fault and watch it")
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")

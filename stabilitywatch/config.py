@@ -14,6 +14,9 @@ from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
 from .config_detectors import validate_detector_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
+from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
+from .config_dashboards import validate_dashboard_fields
+from .config_sentinel import validate_sentinel_fields
 
 
 class Role(str, enum.Enum):
@@ -34,7 +37,6 @@ class Backend(str, enum.Enum):
 
 
 DEFAULT_ROLES = (Role.OUTPUT, Role.GRAD_OUTPUT, Role.WEIGHT, Role.GRAD, Role.OPTIM, Role.LOSS)
-SINK_NAMES = ("jsonl", "console", "wandb", "tensorboard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,13 +167,39 @@ class Config:
     alert_cooldown: int = 50
     """Steps before the same (detector, module, tensor, stat) may alert again at the same
     severity (a higher severity always goes through)."""
-    sinks: tuple[str, ...] = ("jsonl", "console")
-    """Any of: jsonl, console, wandb, tensorboard."""
+    sinks: tuple[Any, ...] = ("jsonl", "console")
+    """Any of: jsonl, console, wandb, tensorboard, and stabilitywatch.sinks.Sink instances
+    (plug-in sinks, used as they are)."""
     wandb_project: str = "stabilitywatch"
     wandb_stats: tuple[str, ...] = ()
-    """Statistic names sent to W&B and TensorBoard (empty: the sinks' default list)."""
+    """Statistics the dashboards (W&B and TensorBoard) show instead of `dashboard_stats`: the
+    same entries without "default" (empty: `dashboard_stats` decides)."""
+    # -- dashboards (W&B and TensorBoard sinks): README "Sinks, and the numbers in W&B";
+    # checked in config_dashboards.py
+    dashboard_stats: tuple[str, ...] = ("default",)
+    """What the dashboards show per (module, role): "default" (absmax, rms, nonfinite, the
+    overflow and underflow fractions of the role's configured format; loss mean, gradient norm,
+    shadow rel_l2; biases and raw shadow rows left out), statistic names or globs added for the
+    roles shown ("mean", "e5m2_*"), and "ROLE:STAT" globs for any role ("grad*:std",
+    "*bias:absmax"). stats.jsonl keeps every statistic whatever this says."""
+    dashboard_histograms: bool = True
+    """Exponent histograms (floor(log2|x|) counts) of the rows shown, on sampled steps."""
+    wandb_run: str = "auto"
+    """Which W&B run the wandb sink logs to. "auto": the run you start with wandb.init, before
+    or after watch(); if there is none by close(), a run of the monitor's own, started then.
+    "attach": only yours (nothing reaches W&B without one). "own": a run of its own, started
+    at watch() (then do not call wandb.init yourself in this process)."""
     queue_size: int = 1024
-    """Bounded queue in front of the sinks (records are dropped, never waited for, when full)."""
+    """Steps of statistics records each sink's queue holds (when full, records are dropped for
+    that sink, counted, never waited for; alerts have their own queue and are never dropped)."""
+    # -- sinks (sinks/runner.py; README "Sinks"); checked in config_sinks.py
+    sink_timeout: float = 10.0
+    """Seconds one call of a sink (log, alert, flush) may take; a sink that takes longer is
+    switched off (one warning, never called again) and what it had not written is counted in
+    run.json. Training never waits for it either way."""
+    sink_close_timeout: float = 30.0
+    """Seconds close() gives the sinks in all to write what is queued and close; a sink not done
+    by then is abandoned (one warning naming it; counted in run.json)."""
     backend: Backend = Backend.AUTO
     rank: Optional[int] = None
     """Rank for records; None: torch.distributed's rank when initialised, else 0."""
@@ -219,6 +247,30 @@ class Config:
     dist_timeout: float = 300.0
     """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
     writing per-rank files."""
+    # -- sentinel, escalation and guard (README "Every step: the sentinel, escalation and the
+    # guard"); checked in config_sentinel.py
+    sentinel: bool = True
+    """Every step, before the optimizer step, read every watched parameter gradient once (one
+    multi-tensor launch): its NaN/Inf count, largest finite |x| and sum of squares."""
+    escalate_steps: int = 20
+    """A tripped sentinel or a warning-or-worse alert switches the next this-many steps to full
+    sampling (every role); 0 = off. Multi-rank runs escalate on the cross-rank sentinel flag."""
+    on_nonfinite: str = "warn"
+    """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
+    (fused torch.optim optimizers; others: one host check per step), see stabilitywatch/guard.py."""
+    rerun_skipped: bool = False
+    """With the guard and watch(step_fn=...): a skipped step is run again in place (its forward
+    and backward, every role read, no optimizer step) to name the forward module where the
+    values first went bad. Costs one host wait per step (stabilitywatch/inplace.py)."""
+    update_stats: bool = True
+    """On sampled steps that read weights, the optimizer update ||dW|| / ||W|| per module
+    (role `update`, stat `update_ratio`), judged by the `update` detector."""
+    update_spike_bits: float = 3.0
+    """Update detector: warning when log2(update ratio) is this many bits above its median over
+    the last `update_window` samples (and above the median's noise)."""
+    update_window: int = 50
+    update_min_history: int = 8
+    """Samples of a module's update ratio before it is judged."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -228,7 +280,7 @@ class Config:
         for t in self.module_types:
             if not isinstance(t, (str, type)):
                 raise ValueError(f"Config.module_types must hold classes or class names, got {t!r}")
-        for name in ("modules", "exclude", "sinks", "wandb_stats"):
+        for name in ("modules", "exclude", "wandb_stats"):
             for item in getattr(self, name):
                 if not isinstance(item, str):
                     raise ValueError(f"Config.{name} must hold strings, got {item!r}")
@@ -279,12 +331,12 @@ class Config:
         if not isinstance(self.wandb_project, str) or not self.wandb_project:
             raise ValueError(f"Config.wandb_project must be a non-empty string, "
                              f"got {self.wandb_project!r}")
-        for s in self.sinks:
-            if s not in SINK_NAMES:
-                raise ValueError(f"Config.sinks: unknown sink {s!r}; expected any of {SINK_NAMES}")
+        validate_sink_fields(self)  # -- sinks
         for k, v in _capture_policy.validate(self).items():  # -- capture
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed
+        validate_dashboard_fields(self, set_)  # -- dashboards
+        validate_sentinel_fields(self, set_)  # -- sentinel, escalation and guard
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod

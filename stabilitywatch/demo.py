@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,17 @@ def train_step(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.float().view(-1, VOCAB), batch["target"].reshape(-1))
 
 
+# what the demo records in its captures, and names again on replay's command line (replay runs
+# only code the user names: README "Trust model")
+MODEL_FACTORY = "stabilitywatch.demo:build_model"
+STEP_FN = "stabilitywatch.demo:train_step"
+
+
+def replay_command(capture: "str | Path") -> str:
+    return (f"stabilitywatch replay {shlex.quote(str(capture))} --model-factory {MODEL_FACTORY} "
+            f"--step-fn {STEP_FN}")
+
+
 @dataclass
 class DemoResult:
     run_dir: Path
@@ -126,8 +138,7 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     inf_step = fault_step + 3
     target = model.get_submodule(FAULT_MODULE)
     mon = (watch(model, opt, config=config or demo_config(), run_dir=out,
-                 model_factory="stabilitywatch.demo:build_model",
-                 step_fn="stabilitywatch.demo:train_step") if monitor else None)
+                 model_factory=MODEL_FACTORY, step_fn=STEP_FN) if monitor else None)
     losses, t0 = [], time.perf_counter()
     try:
         for step in range(steps):
@@ -186,5 +197,5 @@ def summary(r: DemoResult) -> str:
     lines.append(f"run directory: {r.run_dir.resolve()} (alerts.jsonl, stats.jsonl, run.json)")
     caps = sorted({a.capture for a in r.alerts if a.capture})
     for c in caps:  # bundles of the flagged steps: see README "Post-mortem: capture and replay"
-        lines.append(f"capture: {c}  ->  stabilitywatch replay {r.run_dir / c}")
+        lines.append(f"capture: {c}  ->  {replay_command(r.run_dir / c)}")
     return "\n".join(lines)

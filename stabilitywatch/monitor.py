@@ -3,6 +3,7 @@ and sinks. It holds no statistics logic of its own."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,9 +23,14 @@ from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
+from .escalation import SentinelControl
+from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
+from .integrations.accelerate import unwrap_optimizer
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
+from .hooks.sentinel import SentinelTap
+from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
@@ -32,6 +38,7 @@ from .observe_args import check_observe
 from .rundir import fresh_run_dir
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
+from .detectors.update import update_records
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
@@ -50,6 +57,7 @@ class Monitor:
         if not isinstance(model, nn.Module):
             raise TypeError(f"stabilitywatch.watch: model must be a torch.nn.Module, "
                             f"got {type(model).__name__}")
+        optimizer = unwrap_optimizer(optimizer)  # Accelerate's and Lightning's wrappers
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"stabilitywatch.watch: optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
@@ -94,10 +102,24 @@ class Monitor:
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
         self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
-                                           self.world_size), queue_size=config.queue_size)
+                                           self.world_size), queue_size=config.queue_size,
+                                timeout=config.sink_timeout,
+                                close_timeout=config.sink_close_timeout)
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
+        # every step: non-finite count, absmax and sum of squares of every gradient
+        self.sentinel = SentinelTap(self.taps.params, self.buffer.sentinel,
+                                    lambda: (config.sentinel and self._step is not None
+                                             and not self.extras.running),
+                                    self.dist.local, optimizer=optimizer is not None)
+        self.taps.sentinel = self.sentinel
+        if config.update_stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
+            self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
+                                         self.dist.local)
+        # the step's flag (cross-rank), the guard, escalation (escalation.py)
+        self.control = SentinelControl(self)
+        self.inplace = InPlaceRerun(self)     # rerun_skipped: a skipped step again, every role
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -206,6 +228,7 @@ class Monitor:
             if self.capture is not None:
                 self.capture.close()
             self.sinks.close()
+            self._write_manifest(sinks=self.sinks.report())  # what each sink did not write
             self.dist.close()
 
     def __enter__(self) -> "Monitor":
@@ -218,6 +241,44 @@ class Monitor:
     def closed(self) -> bool:
         return self._closed
 
+    # -- for trainer callbacks (integrations/), whose start and end of a step are two events ----
+    def begin_step(self, step: int, batch: Any = None) -> None:
+        """Start step `step` without a `with` block; `end_step()` ends it. A step still open is
+        ended first."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"Monitor.begin_step: step must be an int, got {type(step).__name__}")
+        if self._closed:
+            raise RuntimeError("Monitor.begin_step: the monitor is closed")
+        self._check_order(step)
+        self._begin(step, batch)
+
+    def end_step(self) -> None:
+        """End the step begin_step opened (nothing when none is open)."""
+        if self._step is not None:
+            self._end()
+
+    def observe_batch(self, batch: Any) -> None:
+        """Batch tensors of the open step given after its start (a trainer's micro-batches):
+        read as module "" roles `input...`, named as for a batch given to the step's start."""
+        if self._step is None or Role.OUTPUT not in self._on or batch is None:
+            return
+        found = list(float_tensors(batch))
+        for suffix, t in found:
+            role = "input" if len(found) == 1 else "input" + suffix
+            self._safe_record(t.detach(), "", role, Phase.BATCH, False)
+
+    def observe_grads(self) -> None:
+        """Read the parameter gradients now, as the optimizer pre-step tap does: for trainers
+        whose optimizer.step(closure) runs the backward inside the step, after that tap."""
+        if self._step is not None and self.optimizer is not None:
+            self.taps._grads_before_step(self.optimizer, (), {})
+
+    @property
+    def sampling(self) -> bool:
+        """True inside a step whose tensors are read (not only the loss): integrations check
+        it before computing what they would observe."""
+        return bool(self._on - {Role.LOSS}) and not self.extras.running
+
     # -- step plumbing ------------------------------------------------------------------------
     def _begin(self, step: int, batch: Any) -> None:
         if self._step is not None:  # a step left open (an exception outside the with block)
@@ -225,6 +286,8 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
+        self.sentinel.begin()
+        self.inplace.begin(batch)
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
@@ -237,6 +300,8 @@ class Monitor:
             self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
+        self.sentinel.at_end()
+        step, queued = self._step, self.buffer.pending
         try:
             self.buffer.end_step()
         except Exception as e:
@@ -244,7 +309,11 @@ class Monitor:
         self._step = None
         self._on = frozenset()
         self.extras.end_step()
+        if self.inplace.on and self.buffer.pending > queued:
+            self.inplace.wait(self.buffer.last_pending())
         self._process(block=False)
+        if step is not None:
+            self.inplace.after_frames(step)
 
     def _is_on(self, role: Role) -> bool:
         # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet
@@ -305,7 +374,9 @@ class Monitor:
     def _process(self, block: bool) -> None:
         # once per step end (block=False) and at close: the coordinator decides, identically on
         # every rank, when the frames go through the cross-rank collective
-        for frame in self.dist.frames(self.buffer, final=block):
+        frames = self.dist.frames(self.buffer, final=block)
+        self.control.on_polled()
+        for frame in frames:
             self.frames_seen += 1
             try:
                 self._handle(frame)
@@ -314,8 +385,21 @@ class Monitor:
                                 f"({type(e).__name__}: {e})")
 
     def _handle(self, frame: StatsFrame) -> None:
+        if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
+            frame.sentinel = self.buffer.sentinel_of(frame.step)
+        if self.inplace.is_rerun_frame(frame):   # only where the values first went bad
+            alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
+                      for d in self.detectors if d.name == "nonfinite"
+                      for a in d.check(frame) if self.cooldown.allow(a)]
+            if self.capture is not None:
+                alerts = self.capture.on_frame(frame, alerts)
+            for a in alerts:
+                self.alerts.append(a)
+                self.sinks.alert(a)
+            return
         alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+        alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
             alerts = self.capture.on_frame(frame, alerts)
         for a in alerts:
@@ -326,29 +410,44 @@ class Monitor:
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
+        if self.schedule.escalated(frame.step):
+            base["escalated"] = True
         recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
                    if r == "grad" or r.startswith("grad.")]
-        if grad_sq:
-            recs.append({**base, "module": "", "tensor": "grad_norm",
-                         "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
-        return recs + shadow_records(frame, base)
+        sent = frame.sentinel
+        if grad_sq or sent is not None:
+            # the gradient rows on steps that read them, else the sentinel (every step)
+            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
+            if sent is not None:
+                norm["nonfinite"] = sent.nonfinite_total
+                if not grad_sq and frame.world_size > 1:
+                    norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
+            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
+        return recs + shadow_records(frame, base) + update_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("stabilitywatch: %s", msg)
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, **more: Any) -> None:
         info = {"schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
                 "config": _jsonable(self.config), "model_factory": self.model_factory,
                 "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
-                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+                "versions": {"torch": torch.__version__, "python": platform.python_version()},
+                **more}
         name = "run.json" if self.rank == 0 else f"run.rank{self.rank}.json"
+        path, tmp = self.run_dir / name, self.run_dir / f".{name}.tmp"
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / name).write_text(json.dumps(info, indent=2))
+            # replaced whole, never cut: on a full disk the one written at watch() stays
+            try:
+                tmp.write_text(json.dumps(info, indent=2))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         except OSError as e:
             log.warning("stabilitywatch: cannot write %s (%s); going on without it",
                         self.run_dir / name, e)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import stabilitywatch as sw
-from stabilitywatch.demo import FAULT_MODULE, run_demo
+from stabilitywatch.demo import FAULT_MODULE, MODEL_FACTORY, STEP_FN, run_demo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -14,7 +14,8 @@ def test_capture_and_replay_on_cuda(tmp_path):
     caps = sorted({a.capture for a in r.alerts if a.capture})
     assert caps == ["captures/step00000001-rank0", "captures/step00000004-rank0"]
     for c in caps:
-        rep = sw.replay(tmp_path / "run" / c, device="cuda", progress=False)
+        rep = sw.replay(tmp_path / "run" / c, device="cuda", progress=False,
+                        model_factory=MODEL_FACTORY, step_fn=STEP_FN)
         assert rep["first_divergent_module"] == FAULT_MODULE, c
         assert rep["reproduces"] is True, rep["reproduce"]["verdict"]
 
@@ -31,7 +32,8 @@ def test_host_ring_on_a_side_stream_captures_start_of_step_state(tmp_path):
     caps = sorted({a.capture for a in r.alerts if a.capture})
     assert caps == ["captures/step00000001-rank0", "captures/step00000004-rank0"]
     for c in caps:
-        rep = sw.replay(tmp_path / "run" / c, device="cuda", progress=False)
+        rep = sw.replay(tmp_path / "run" / c, device="cuda", progress=False,
+                        model_factory=MODEL_FACTORY, step_fn=STEP_FN)
         assert rep["reproduces"] is True, rep["reproduce"]["verdict"]
         assert rep["first_divergent_module"] == FAULT_MODULE, c
 

@@ -259,3 +259,18 @@ def test_watch_valid_arguments_attach_and_detach(tmp_path):
         mon.close()
     assert _no_hooks(m)
     mon.close()                                       # idempotent
+
+
+# -- --version --------------------------------------------------------------------------------
+def test_version_subprocess():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"stabilitywatch {sw.__version__}", r
+    assert sw.__version__[0].isdigit()
+
+
+def test_version_in_process(capsys):
+    # cli.main is what the console script calls
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["--version"])
+    assert ei.value.code == 0
+    assert capsys.readouterr().out.strip() == f"stabilitywatch {sw.__version__}"

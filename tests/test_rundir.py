@@ -48,7 +48,8 @@ def test_second_run_in_the_same_dir_gets_its_own(tmp_path, caplog):
     assert second.run_dir == tmp_path / "run-2"
     assert _contents(d) == before                        # the first run's files are untouched
     assert sorted({r["step"] for r in read_jsonl(second.run_dir / "stats.jsonl")}) == [0, 1, 2]
-    assert not (second.run_dir / "alerts.jsonl").exists()  # the healthy run raised nothing
+    # the healthy run raised nothing (the JSONL sink creates alerts.jsonl up front, empty)
+    assert read_jsonl(second.run_dir / "alerts.jsonl") == []
     said = [r.getMessage() for r in caplog.records if "already holds a run" in r.getMessage()]
     assert said == [f"stabilitywatch: {d} already holds a run; this run writes to {d}-2"]
     third = _run(d, nan_step=0)

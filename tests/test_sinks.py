@@ -1,3 +1,4 @@
+import dataclasses
 import errno
 import json
 import os
@@ -11,7 +12,6 @@ import torch
 from stabilitywatch.alert import Alert, Severity
 from stabilitywatch.sinks import ConsoleSink, JsonlSink, Sink, SinkRunner
 from stabilitywatch.sinks import jsonl as jsonl_module
-from stabilitywatch.sinks import runner as runner_module
 
 ALERT_KEYS = {"schema", "step", "rank", "detector", "severity", "module", "tensor", "stat",
               "value", "threshold", "message", "capture"}
@@ -150,28 +150,116 @@ def test_failing_sink_switched_off_with_one_warning(caplog):
     assert runner.failed == ["boom"]
 
 
-def test_slow_sink_does_not_block_log_and_alerts_are_not_dropped(caplog, monkeypatch):
-    monkeypatch.setattr(runner_module, "ALERT_PUT_TIMEOUT", 0.05)
+def test_slow_sink_does_not_block_log_and_alerts_are_not_dropped(caplog):
     slow, other = GatedSink(), RecordingSink()
-    runner = SinkRunner([slow, other], queue_size=4)
-    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
-        runner.log([make_record(0), make_record(0, tensor="grad")])
-        assert slow.entered.wait(5)     # the worker is now stuck in the slow sink
-        start = time.perf_counter()
-        for step in range(1, 200):
-            runner.log([make_record(step), make_record(step, tensor="grad")])
-        assert time.perf_counter() - start < 1.0
-        assert runner.dropped > 0 and runner.dropped % 2 == 0
-        # The queue is full: the alert waits briefly, then is delivered on this thread.
-        runner.alert(make_alert(step=999))
-        assert [a.step for a in other.alerts] == [999]
+    runner = SinkRunner([slow, other], queue_size=64)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+            runner.log([make_record(0), make_record(0, tensor="grad")])
+            assert slow.entered.wait(5)     # its thread is now stuck in the slow sink
+            start = time.perf_counter()
+            for step in range(1, 200):
+                runner.log([make_record(step), make_record(step, tensor="grad")])
+                time.sleep(0.0005)          # a training step's worth of GIL for other threads
+            runner.alert(make_alert(step=999))
+            assert time.perf_counter() - start < 1.0
+            # the other sink has what it was given, without waiting for the slow one
+            assert runner.flush(timeout=0.5) is False          # the slow sink holds it up
+            report = runner.report()
+            assert [a.step for a in other.alerts] == [999]
+            assert len(other.records) + report["recording"]["records_dropped"] == 400
+            assert report["gated"]["records_dropped"] >= 400 - 2 * 65
+            slow.gate.set()
+            runner.close()
+    finally:
         slow.gate.set()
+    assert len(slow.records) + runner.report()["gated"]["records_dropped"] == 400
+    assert [a.step for a in slow.alerts] == [999]    # alerts are never dropped
+    warnings = sink_warnings(caplog)
+    assert warnings[0].startswith("stabilitywatch: sink 'gated' is slower than training") and \
+        "stats records are dropped" in warnings[0]
+    assert len(warnings) == 1 + (report["recording"]["records_dropped"] > 0)
+
+
+class HungSink(RecordingSink):
+    """log() does not return (for 20 s, the test's bound), alert() works."""
+    name = "hung"
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def log(self, records):
+        self.gate.wait(20)
+
+
+def test_log_and_alert_never_wait_for_a_hung_sink(caplog):
+    hung, other = HungSink(), RecordingSink()
+    runner = SinkRunner([hung, other], queue_size=4, timeout=0.3, close_timeout=1.0)
+    calls = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+            end = time.monotonic() + 0.6        # past the hung sink's timeout
+            step = 0
+            while time.monotonic() < end or step < 100:
+                for call in (lambda: runner.log([make_record(step)] * 20),
+                             lambda: runner.alert(make_alert(step=step))):
+                    t0 = time.perf_counter()
+                    call()
+                    calls.append(time.perf_counter() - t0)
+                step += 1
+                time.sleep(0.002)
+            assert runner.flush(timeout=5)
+            runner.close()
+    finally:
+        hung.gate.set()
+    calls.sort()
+    assert calls[len(calls) // 2] < 0.001 and calls[-1] < 0.1, (calls[len(calls) // 2], calls[-1])
+    assert [a.step for a in other.alerts] == list(range(step))
+    # its queue filled first (one warning), then it was timed out (one more)
+    full, timed_out = [w for w in sink_warnings(caplog) if "'hung'" in w]
+    assert full.startswith("stabilitywatch: sink 'hung' is slower than training")
+    assert timed_out.startswith("stabilitywatch: sink 'hung' timed out: log() did not return "
+                                "within 0.3 s; switched off")
+    report = runner.report()["hung"]
+    assert report["state"] == "timed_out" and runner.failed == ["hung"]
+    assert report["alerts_lost"] + len(hung.alerts) == step
+    assert report["records_lost"] + report["records_dropped"] == 20 * step
+
+
+class RaisingSink(RecordingSink):
+    name = "raising"
+
+    def __init__(self, exc, method):
+        super().__init__()
+        self.exc, self.method = exc, method
+        for m in ("log", "alert", "flush", "close"):
+            if m == method:
+                setattr(self, m, self._raise)
+
+    def _raise(self, *args):
+        raise self.exc
+
+
+@pytest.mark.parametrize("method", ["log", "alert", "flush", "close"])
+@pytest.mark.parametrize("exc", [SystemExit(2), KeyboardInterrupt(), GeneratorExit()],
+                         ids=["SystemExit", "KeyboardInterrupt", "GeneratorExit"])
+def test_base_exception_in_a_sink_is_caught_and_reported(caplog, exc, method):
+    bad, good = RaisingSink(exc, method), RecordingSink()
+    runner = SinkRunner([bad, good], close_timeout=5.0)
+    with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+        for step in range(3):
+            runner.log([make_record(step)])
+            runner.alert(make_alert(step=step))
+        runner.flush(timeout=5)
         runner.close()
-    assert len(slow.records) + runner.dropped == 400
-    assert len(other.records) + runner.dropped == 400
-    assert [a.step for a in slow.alerts] == [999]
-    (warning,) = sink_warnings(caplog)
-    assert "dropped" in warning and "stats records" in warning
+    name = type(exc).__name__
+    said = f"{name}: {exc}" if str(exc) else name
+    assert sink_warnings(caplog) == [f"stabilitywatch: sink 'raising' failed ({said}); "
+                                     f"switched off, training goes on"]
+    assert runner.failed == ["raising"] and runner.report()["raising"]["state"] == "failed"
+    assert [a.step for a in good.alerts] == [0, 1, 2] and len(good.records) == 3
+    assert good.closes == 1
 
 
 def test_close_is_idempotent_and_later_calls_are_ignored():
@@ -202,38 +290,39 @@ def test_jsonl_unwritable_run_dir_switches_off_with_one_warning(tmp_path, caplog
     assert not_a_dir.read_text() == "I am a file"
 
 
-class DiskFull:
-    """Stands in for an open file on a full disk: every write fails with ENOSPC."""
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, data):
+def disk_full(f):
+    """The open line_file.LineFile f is on a full disk from now on."""
+    def write(data):
         raise OSError(errno.ENOSPC, "No space left on device")
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
+    f._write = write
 
 
-def test_jsonl_disk_full_keeps_what_was_written(tmp_path, caplog):
-    # stats written by the sink's thread (process=False); the writer process: next test
+def test_jsonl_disk_full_keeps_alerts_and_drops_stats(tmp_path, caplog):
+    # stats written by the sink's thread (process=False); the writer process: a later test
     sink = JsonlSink(tmp_path, process=False)
     runner = SinkRunner([sink])
     runner.alert(make_alert(step=1))
     runner.alert(make_alert(step=2))
     runner.log([make_record(1), make_record(2)])
     assert runner.flush(timeout=5)
-    sink._alerts, sink._stats = DiskFull(sink._alerts), DiskFull(sink._stats)
+    disk_full(sink._stats)
     with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
-        runner.alert(make_alert(step=3))
-        runner.log([make_record(3)])
+        runner.log([make_record(3), make_record(3, tensor="grad")])
+        runner.alert(make_alert(step=3))     # alerts still have room
+        runner.log([make_record(4)])
+        assert runner.flush(timeout=5)
+        disk_full(sink._alerts)
         runner.alert(make_alert(step=4))
+        runner.alert(make_alert(step=5))
         runner.close()
-    assert sink_warnings(caplog) == [
-        "stabilitywatch: sink 'jsonl' failed (OSError: [Errno 28] No space left on device); "
-        "switched off, training goes on"]
-    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1, 2]
+    stats_warning, alerts_warning = sink_warnings(caplog)
+    assert stats_warning.startswith("stabilitywatch: sink 'jsonl': cannot write") and \
+        "No space left on device" in stats_warning and "alerts go on" in stats_warning
+    assert "no space for" in alerts_warning and "step 4" in alerts_warning
+    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1, 2, 3]
     assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [1, 2]
+    report = runner.report()["jsonl"]
+    assert report["state"] == "ok" and report["alerts_lost"] == 2 and report["records_lost"] == 3
 
 
 def test_console_sink_levels_and_threshold(caplog):
@@ -287,9 +376,9 @@ def test_jsonl_column_encoder_takes_ints_bools_and_specials_like_one_by_one():
     assert encode_records(recs) == "".join(_dumps(_clean_record(r)) + "\n" for r in recs)
 
 
-def test_jsonl_writer_process_disk_full_switches_off_and_keeps_alerts(tmp_path, caplog):
+def test_jsonl_writer_process_disk_full_drops_stats_and_keeps_alerts(tmp_path, caplog):
     # the stats file on a full disk (/dev/full: every write fails with ENOSPC), written by the
-    # writer process: one warning naming the problem, alerts still on disk, nothing raised
+    # writer process: one warning naming the problem, alerts still written, nothing raised
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full (Linux)")
     (tmp_path / "stats.jsonl").symlink_to("/dev/full")
@@ -300,11 +389,13 @@ def test_jsonl_writer_process_disk_full_switches_off_and_keeps_alerts(tmp_path, 
         runner.log([make_record(1)])
         runner.flush(timeout=10)
         runner.alert(make_alert(step=2))
+        runner.log([make_record(2), make_record(2, tensor="grad")])
         runner.close()
     (warning,) = sink_warnings(caplog)
     assert "No space left on device" in warning and warning.startswith(
-        "stabilitywatch: sink 'jsonl' failed (OSError")
-    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1]
+        "stabilitywatch: sink 'jsonl': cannot write")
+    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1, 2]
+    assert sink.lost()["records"] == 3 and runner.failed == []
 
 
 def test_jsonl_stats_are_formatted_by_the_writer_process(tmp_path, monkeypatch):
@@ -344,3 +435,79 @@ def test_jsonl_writes_from_its_thread_where_no_python_can_be_started(tmp_path, m
     assert sink._writer is None
     sink.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [9]
+
+
+def test_config_takes_sink_instances_beside_names():
+    import stabilitywatch as sw
+
+    mine = RecordingSink()
+    cfg = sw.Config(sinks=["jsonl", "console", mine])
+    assert cfg.sinks == ("jsonl", "console", mine) and cfg.sinks[2] is mine
+    assert cfg.replace(every=3).sinks[2] is mine           # frozen, replace keeps the instance
+    assert cfg == sw.Config(sinks=("jsonl", "console", mine))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.sinks = ()
+
+
+@pytest.mark.parametrize("sinks, match", [
+    (("jsonl", object()), r"Config.sinks must hold sink names .* got <object object"),
+    ((RecordingSink,), r"Config.sinks: RecordingSink is a Sink class; pass an instance"),
+    (("jsonl", 3), r"Config.sinks must hold sink names"),
+    (("jsonl", "prometheus"), r"Config.sinks: unknown sink 'prometheus'"),
+    (("jsonl", "jsonl"), r"Config.sinks: 'jsonl' appears twice"),
+], ids=["object", "class", "int", "unknown-name", "twice"])
+def test_config_refuses_what_is_not_a_sink(sinks, match):
+    import stabilitywatch as sw
+
+    with pytest.raises(ValueError, match=match):
+        sw.Config(sinks=sinks)
+    mine = RecordingSink()
+    with pytest.raises(ValueError, match="appears twice"):
+        sw.Config(sinks=(mine, "jsonl", mine))     # one sink on two threads
+
+
+@pytest.mark.parametrize("field", ["sink_timeout", "sink_close_timeout"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "5", True])
+def test_config_sink_timeouts_are_positive_seconds(field, value):
+    import stabilitywatch as sw
+
+    with pytest.raises(ValueError, match=f"Config.{field} must be a positive number of seconds"):
+        sw.Config(**{field: value})
+    assert getattr(sw.Config(**{field: 0.25}), field) == 0.25
+
+
+def test_jsonl_stuck_writer_process_costs_stats_not_alerts(tmp_path, monkeypatch, caplog):
+    # the writer process stops taking input (SIGSTOP: a hung disk, a debugger): after
+    # send_timeout the sink gives up its statistics (counted) and goes on writing alerts
+    import signal
+
+    from stabilitywatch.sinks import child
+
+    monkeypatch.setattr(child.Child, "send_timeout", 0.5)
+    sink = JsonlSink(tmp_path)
+    runner = SinkRunner([sink], timeout=5.0)
+    runner.log([make_record(0)])
+    assert runner.flush(timeout=10)
+    pid = sink._writer.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
+            big = [make_record(1, module=f"m{i}") for i in range(20000)]   # > the pipe's 1 MiB
+            runner.log(big)
+            runner.alert(make_alert(step=1))
+            runner.log([make_record(2)])
+            assert runner.flush(timeout=10)
+            runner.alert(make_alert(step=2))
+            runner.close()
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    (warning,) = sink_warnings(caplog)
+    assert "took no input for 0.5 s" in warning and "alerts go on" in warning
+    assert [a["step"] for a in read_jsonl(tmp_path / "alerts.jsonl")] == [1, 2]
+    stats = read_jsonl(tmp_path / "stats.jsonl")
+    report = runner.report()["jsonl"]
+    assert report["state"] == "ok" and report["alerts_lost"] == 0
+    assert len(stats) + report["records_lost"] == 20002

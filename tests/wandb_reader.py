@@ -96,17 +96,21 @@ def read_records(path: str) -> list[Any]:
     return out
 
 
-def read_finished_run(path: str, timeout: float = 20.0) -> list[Any]:
+def read_finished_run(path: str, timeout: float = 20.0, need_exit: bool = True,
+                      until=None) -> list[Any]:
     """Records of a finished run. wandb 0.31's run.finish() returns before wandb-core has closed
     the file (the service is told to close the stream without waiting), so poll until the file
-    parses completely and holds the run's exit record."""
+    parses completely and holds the run's exit record (need_exit), and until(records) is true
+    when given (a killed run has no exit record: wait for what it must hold)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             records = read_records(path)
-            if any(r.WhichOneof("record_type") == "exit" for r in records):
+            done = (not need_exit
+                    or any(r.WhichOneof("record_type") == "exit" for r in records))
+            if done and (until is None or until(records)):
                 return records
-            problem = "no exit record yet"
+            problem = "no exit record yet" if not done else "not there yet"
         except ValueError as e:          # caught mid-write: a record is still incomplete
             problem = str(e)
         if time.monotonic() > deadline:

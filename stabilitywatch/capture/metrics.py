@@ -14,6 +14,7 @@ from ..formats import spec
 
 
 def errors(low: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Also the largest finite |x| of each (absmax_low, absmax_ref) and their non-finite counts."""
     a = low.detach().to(torch.float64).reshape(-1)
     b = ref.detach().to(device=a.device, dtype=torch.float64).reshape(-1)
     if a.numel() != b.numel():
@@ -26,7 +27,8 @@ def errors(low: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     bf = torch.where(finite, b, 0.0)
     ref_norm = float(bf.norm())
     out = {"numel": a.numel(), "nonfinite_low": nonfinite_low,
-           "nonfinite_ref": int((~b.isfinite()).sum()), "ref_norm": ref_norm}
+           "nonfinite_ref": int((~b.isfinite()).sum()), "ref_norm": ref_norm,
+           "absmax_low": _absmax(a), "absmax_ref": _absmax(b)}
     if bad:
         return {**out, "rel_l2": math.inf, "sqnr_db": -math.inf, "cosine": math.nan,
                 "max_abs_err": math.inf}
@@ -39,6 +41,12 @@ def errors(low: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
         1.0 if na == ref_norm == 0 else 0.0)
     return {**out, "rel_l2": rel, "sqnr_db": sqnr, "cosine": cos,
             "max_abs_err": float(d.abs().max()) if d.numel() else 0.0}
+
+
+def _absmax(x: torch.Tensor) -> float:
+    """Largest finite |x| (0 when there is none)."""
+    f = x[x.isfinite()]
+    return float(f.abs().max()) if f.numel() else 0.0
 
 
 def format_round_trip(x: torch.Tensor, fmt: str, scale: float = 1.0) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """`replay(capture)`: explain a captured step after the fact.
 
 1. Re-run the step as recorded under a fresh Monitor with the capture's Config and compare its
-   statistics rows with the recorded ones: equal bit for bit -> `reproduces` (the anomaly is in
-   the numerics of that step); otherwise the rows that differ (non-determinism, another device or
-   library version, or a hardware fault: Megatron's re-run machinery draws the same line).
-2. Re-run it in float64 (or float32), autocast off, and compare module by module: the first
-   module, in execution order, whose relative L2 error exceeds `tol` is `first_divergent_module`.
-3. With `upcast` globs: re-run with those modules in fp32 and say whether the captured alerts
+   statistics rows with the recorded ones, in dataflow order: equal bit for bit -> `reproduces`;
+   otherwise the first rows that differ.
+2. Run it again as recorded and in float64 (or float32), autocast off, forward, backward and the
+   optimizer step each, and compare every role (compare.py): the first (module, role) in
+   dataflow order whose relative L2 error exceeds `tol` is `first_divergent`, explained from the
+   two runs' values (verdict.explain).
+3. The verdict (verdict.decide): numerics, values, the replay lacks something the run had (state,
+   batch, code outside the model, package versions), or non-determinism/hardware.
+4. With `upcast` globs: re-run with those modules in fp32 and say whether the captured alerts
    come back.
 """
 from __future__ import annotations
@@ -20,12 +23,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .compare import compare, record
+from .compare import compare, in_dataflow_order, record
 from .reader import open_capture
 from .report import Progress
 from .rerun import Setup
 from ..stats.layout import Stat
 from .treeio import json_float, rows_from_json
+from .verdict import decide, explain, row_difference, version_differences
 
 REF_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 # Rows equal but for float64 sums this close still reproduce: the Triton statistics kernel merges
@@ -35,32 +39,52 @@ SUM_RTOL = 1e-13
 
 
 def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = None,
-           step_fn: "str | Callable | None" = None, device: Optional[str] = None,
-           upcast: Sequence[str] = (), reference: str = "fp64", tol: float = 0.1,
-           emulate_formats: bool = True, optimizer: Optional[Callable] = None,
+           step_fn: "str | Callable | None" = None, trust_recorded: bool = False,
+           device: Optional[str] = None, upcast: Sequence[str] = (), reference: str = "fp64",
+           tol: float = 0.1, emulate_formats: bool = True, optimizer: Optional[Callable] = None,
            progress: Optional[bool] = None, json_file: "str | Path | None" = None) -> dict:
     """Replay a capture bundle; returns the report (a JSON-able dict). See the module docstring
-    and the README's "Post-mortem" section. Raises CaptureError (a ValueError) for a missing,
-    truncated or tampered bundle, or a model/step function that cannot be imported."""
+    and the README's "Post-mortem" section.
+
+    A bundle is untrusted: replay runs `model_factory` and `step_fn` as you give them (import
+    paths 'pkg.mod:fn' or callables); the names recorded in the bundle are used only with
+    `trust_recorded=True` (after reading them in `stabilitywatch inspect`). Raises CaptureError
+    (a ValueError) for a missing, truncated or tampered bundle, for code not named, or for a
+    model factory or step function that cannot be imported or returns the wrong thing."""
     if reference not in REF_DTYPES:
         raise ValueError(f"replay: reference must be one of {sorted(REF_DTYPES)}, got {reference!r}")
     if not (isinstance(tol, (int, float)) and tol > 0):
         raise ValueError(f"replay: tol must be a positive number, got {tol!r}")
+    if not isinstance(trust_recorded, bool):
+        raise ValueError(f"replay: trust_recorded must be True or False, got {trust_recorded!r}")
     upcast = (upcast,) if isinstance(upcast, str) else tuple(upcast)
     t0 = time.perf_counter()
-    bar = Progress(total=4 + bool(upcast), enabled=True if progress is None else progress)
+    bar = Progress(total=6 + bool(upcast), enabled=True if progress is None else progress)
     if progress is None:
         bar.enabled = bar.tty
     try:
         bar.phase("verifying the bundle")
-        cap = open_capture(capture)
-        setup = Setup(cap, model_factory, step_fn, device, optimizer)
+        cap = open_capture(capture, progress=bar.amount)
+        bar.phase("building the model and loading the captured state")
+        setup = Setup(cap, model_factory, step_fn, device, optimizer,
+                      trust_recorded=trust_recorded)
         m = cap.manifest
         report: dict[str, Any] = {
             "capture": str(cap.path), "step": cap.step, "rank": m["rank"],
             "device": str(setup.device), "recorded_device": _dev_name(m.get("device") or {}),
-            "versions": m.get("versions"), "alerts": m["alerts"],
+            "versions": m.get("versions"), "alerts": m["alerts"], "ran": setup.names,
         }
+        versions = version_differences(m.get("versions"))
+        report["version_differences"] = versions
+        if "batch" in setup.lacks:
+            # nothing to run the step on: the verdict says what the bundle lacks
+            report.update(reproduce=_not_run(m), reproduces=False, reference_dtype=reference,
+                          tolerance=tol, emulate_formats=emulate_formats, modules=None,
+                          first_divergent_module=None, first_divergent=None, explanation=None)
+            report["verdict"] = decide(report["reproduce"], None, None, versions,
+                                       setup.lacks, reference)
+            report.update(upcast=None, seconds=round(time.perf_counter() - t0, 3))
+            return _finish(report, json_file)
         bar.phase("re-running the step as recorded")
         frame, base_alerts, _ = setup.run_monitored()
         report["reproduce"] = _reproduce(m, frame, setup)
@@ -69,8 +93,9 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         bar.phase("recording the low-precision run")
         names = setup.modules or [n for n, _ in setup.model().named_modules() if n]
         low = record(setup, names, None)
-        bar.phase(f"recording the {reference} run and comparing")
+        bar.phase(f"recording the {reference} run")
         ref = record(setup, names, REF_DTYPES[reference])
+        bar.phase("comparing module by module")
         rows = compare(low, ref, setup.config(), tol, emulate_formats, progress=bar.sub)
         first = next((r for r in rows if r["divergent"]), None)
         report.update(reference_dtype=reference, tolerance=tol, emulate_formats=emulate_formats,
@@ -80,6 +105,11 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
                           "judged_rel_l2": max(first.get("rel_l2", math.inf),
                                                first.get("rel_l2_format", 0.0))})
         del low, ref
+        report["explanation"] = explain(first, reference, tol)
+        dev = m.get("device") if isinstance(m.get("device"), dict) else {}
+        devices = (str(dev.get("type") or ""), setup.device.type)
+        report["verdict"] = decide(report["reproduce"], first, report["explanation"], versions,
+                                   setup.lacks, reference, devices)
         report["upcast"] = None
         if upcast:
             bar.phase(f"re-running with {', '.join(upcast)} in fp32")
@@ -87,10 +117,22 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         report["seconds"] = round(time.perf_counter() - t0, 3)
     finally:
         bar.close()
+    return _finish(report, json_file)
+
+
+def _finish(report: dict, json_file: "str | Path | None") -> dict:
     report = _json_safe(report)
     if json_file is not None:
         Path(json_file).write_text(json.dumps(report, indent=1, allow_nan=False))
     return report
+
+
+def _not_run(m: dict) -> dict:
+    n = len(m["stats"]["keys"])
+    return {"reproduces": False, "bitwise": False, "rows_sums_within_tolerance": 0,
+            "rows_compared": 0, "rows_differing": 0, "missing": [], "extra": [],
+            "differences": [], "first_rows": [], "last_agreeing": None,
+            "verdict": f"not re-run: the bundle holds no batch ({n} statistics rows recorded)"}
 
 
 def _dev_name(d: dict) -> str:
@@ -98,32 +140,41 @@ def _dev_name(d: dict) -> str:
 
 
 def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
+    """The recorded statistics rows against the re-run's, in dataflow order."""
     st = m["stats"]
     keys = [tuple(k) for k in st["keys"]]
-    rows = rows_from_json(st["rows"])
+    rows = dict(zip(keys, rows_from_json(st["rows"])))
     names = st.get("stat_names") or []
     if frame is None:
         return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
                 "missing": [list(k) for k in keys], "extra": [], "differences": [],
+                "first_rows": [], "last_agreeing": None,
                 "verdict": "does NOT reproduce: the re-run produced no statistics for the step"}
     got = dict(zip(frame.keys, frame.rows))
     missing = [k for k in keys if k not in got]
-    extra = [k for k in frame.keys if k not in set(keys)]
-    diffs, differing, sums_only = [], 0, 0
-    for k, row in zip(keys, rows):
+    extra = [k for k in frame.keys if k not in rows]
+    diffs, first_rows, differing, sums_only, last_ok = [], [], 0, 0, None
+    for k in in_dataflow_order(keys):
         if k not in got:
             continue
-        other = got[k]
+        row, other = rows[k], got[k]
         bad = np.flatnonzero(~((row == other) | (np.isnan(row) & np.isnan(other))))
         if bad.size and set(bad.tolist()) <= {int(Stat.SUM), int(Stat.SUMSQ)} and _sums_close(row, other):
             sums_only += 1        # the Triton kernel merges float64 sums with atomics
+            bad = bad[:0]
+        if not bad.size:
+            # the last agreeing output or output gradient before the first difference: the
+            # value that flows into where the difference enters
+            if not differing and k[1].startswith(("output", "grad_output")):
+                last_ok = {"module": k[0], "tensor": k[1]}
             continue
-        if bad.size:
-            differing += 1
-            for j in bad[:3]:
-                diffs.append({"module": k[0], "tensor": k[1],
-                              "stat": names[j] if j < len(names) else str(j),
-                              "recorded": float(row[j]), "replayed": float(other[j])})
+        differing += 1
+        if len(first_rows) < 8:
+            first_rows.append(row_difference(k, row, other))
+        for j in bad[:3]:
+            diffs.append({"module": k[0], "tensor": k[1],
+                          "stat": names[j] if j < len(names) else str(j),
+                          "recorded": float(row[j]), "replayed": float(other[j])})
     ok = not (missing or extra or differing)
     exact = ok and not sums_only
     where = f"recorded on {_dev_name(m.get('device') or {})}, replayed on {setup.device}"
@@ -131,20 +182,18 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
         how = "bit for bit" if exact else (
             f"bit for bit except the float64 sums of {sums_only} rows, within {SUM_RTOL:g} (the "
             f"statistics kernel adds with atomics; counts, extremes and histograms are exact)")
-        verdict = (f"reproduces {how} ({len(keys)} statistics rows): the anomaly comes "
-                   f"from the numerics of this step (data, weights, precision), not from "
-                   f"non-determinism or hardware")
+        verdict = f"reproduces {how} ({len(keys)} statistics rows)"
     else:
         parts = [f"{differing} of {len(keys)} rows differ"] if differing else []
         parts += [f"{len(missing)} rows missing"] if missing else []
         parts += [f"{len(extra)} unexpected rows"] if extra else []
-        verdict = (f"does NOT reproduce ({', '.join(parts)}; {where}): suspect non-determinism "
-                   f"(atomics, algorithm choice), a different device or library version, or "
-                   f"a hardware fault")
+        verdict = f"does NOT reproduce ({', '.join(parts)}; {where})"
     return {"reproduces": ok, "bitwise": exact, "rows_sums_within_tolerance": sums_only,
             "rows_compared": len(keys) - len(missing),
             "rows_differing": differing, "missing": [list(k) for k in missing],
-            "extra": [list(k) for k in extra], "differences": diffs[:50], "verdict": verdict}
+            "extra": [list(k) for k in extra], "differences": diffs[:50],
+            "first_rows": first_rows, "last_agreeing": last_ok if differing else None,
+            "verdict": verdict}
 
 
 def _sums_close(a: np.ndarray, b: np.ndarray) -> bool:

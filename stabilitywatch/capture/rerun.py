@@ -1,15 +1,14 @@
 """Re-running a captured step: rebuild the model and optimizer from the bundle, restore RNG and
 batch, and run `step_fn(model, batch) -> loss`, backward and the optimizer step.
 
-Imports happen here only: the model factory and step function named in the manifest (or given
-by the user) are imported when a replay runs; opening or inspecting a bundle imports nothing.
+The model factory and step function are the user's (trust.py decides which names may be
+imported, and checks what they return); opening or inspecting a bundle imports nothing.
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
 import glob
-import importlib
 import random
 import tempfile
 from typing import Any, Callable, Optional
@@ -19,25 +18,10 @@ import torch
 import torch.nn as nn
 
 from .reader import Capture, CaptureError, rng_numpy, rng_python
+from .trust import checked_factory, checked_step, pick, torch_optimizer, untrusted_message
 from .treeio import config_from_json, decode_tree
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def resolve(path: Optional[str], what: str) -> Callable:
-    if not path or not isinstance(path, str) or ":" not in path:
-        raise CaptureError(f"no {what} to replay with: the capture records {path!r}; pass an "
-                           f"import path 'package.module:function'")
-    mod_name, _, attr = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise CaptureError(f"cannot import {what} {path!r} ({type(e).__name__}: {e})") from None
-    if not callable(obj):
-        raise CaptureError(f"{what} {path!r} is not callable")
-    return obj
 
 
 class Setup:
@@ -45,13 +29,11 @@ class Setup:
 
     def __init__(self, cap: Capture, model_factory: "str | Callable | None" = None,
                  step_fn: "str | Callable | None" = None, device: Optional[str] = None,
-                 optimizer: Optional[Callable] = None):
+                 optimizer: Optional[Callable] = None, trust_recorded: bool = False):
         m = cap.manifest
         self.cap, self.step = cap, cap.step
-        self.factory = model_factory if callable(model_factory) else \
-            resolve(model_factory or m.get("model_factory"), "model factory")
-        self.step_fn = step_fn if callable(step_fn) else \
-            resolve(step_fn or m.get("step_fn"), "step function")
+        if not trust_recorded and (model_factory is None or step_fn is None):
+            raise CaptureError(untrusted_message(model_factory is not None, step_fn is not None))
         recorded = (m.get("device") or {}).get("type", "cpu")
         if device is None:
             device = "cuda" if recorded == "cuda" and torch.cuda.is_available() else "cpu"
@@ -59,8 +41,24 @@ class Setup:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise CaptureError("--device cuda asked for, but no CUDA device is visible")
         self.optimizer_factory = optimizer
-        self.state = cap.tensors("model")
-        self.optim_state = cap.tensors("optimizer")
+        meta = m.get("optimizer")
+        self._opt_cls = torch_optimizer(meta.get("class")) if (
+            optimizer is None and isinstance(meta, dict)) else None
+        trusted = m if trust_recorded else {}
+        factory, fname = pick(model_factory, trusted.get("model_factory"), "model factory",
+                               "--model-factory")
+        step, sname = pick(step_fn, trusted.get("step_fn"), "step function", "--step-fn")
+        self.step_fn = checked_step(step, sname)
+        self.names = {"model_factory": fname, "step_fn": sname}   # what runs, for the report
+        checked = checked_factory(factory, fname)
+        first = [checked()]   # a factory that returns something else fails before anything runs
+
+        def build() -> nn.Module:
+            return first.pop() if first else checked()
+        self.factory = build
+        self.lacks = bundle_lacks(m)
+        self.state = {} if "model" in self.lacks else cap.tensors("model")
+        self.optim_state = {} if "optimizer" in self.lacks else cap.tensors("optimizer")
         self.modules = list(m.get("modules") or [])
 
     # -- pieces ----------------------------------------------------------------------------
@@ -100,17 +98,15 @@ class Setup:
         if self.optimizer_factory is not None:
             opt = self.optimizer_factory(groups)
         else:
-            cls_path = meta["class"]
-            mod, _, name = cls_path.rpartition(".")
-            if not mod.startswith("torch.optim"):
-                raise CaptureError(f"optimizer {cls_path} is not one of torch.optim's; pass "
-                                   f"optimizer=callable(param_groups) to replay()")
-            opt = getattr(importlib.import_module(mod), name)(groups)
+            opt = (self._opt_cls or torch_optimizer(meta["class"]))(groups)
         state: dict[int, dict] = {}
         for key, t in self.optim_state.items():
             i, _, k = key.partition(".")
-            state.setdefault(int(i), {})[k] = t
-        for key, v in (meta.get("other_state") or {}).items():
+            # a copy: load_state_dict keeps tensors of the parameter's dtype as they are, and the
+            # step updates them in place; every run starts from the captured state
+            state.setdefault(int(i), {})[k] = t.clone()
+        other = {} if "optimizer" in self.lacks else (meta.get("other_state") or {})
+        for key, v in other.items():
             i, _, k = key.partition(".")
             state.setdefault(int(i), {})[k] = v
         sd = opt.state_dict()
@@ -122,6 +118,8 @@ class Setup:
         return decode_tree(self.cap.manifest["batch"], tensors)
 
     def restore_rng(self) -> None:
+        if "rng" in self.lacks:
+            return
         rng = self.cap.manifest["rng"]
         st = rng_python(rng)
         if st is not None:
@@ -177,6 +175,24 @@ class Setup:
                 mon.close()
         frame = next((f for f in frames if f.step == self.step), None)
         return frame, [a for a in mon.alerts if a.step == self.step], loss.detach()
+
+
+PARTS = ("model", "optimizer", "batch", "rng")
+
+
+def bundle_lacks(m: dict) -> list[str]:
+    """What the manifest says the bundle was written without (`lacks`: some of PARTS); replay
+    runs without those parts (the factory's weights, a fresh optimizer state, unrestored RNG)
+    and says so in its verdict."""
+    lacks = m.get("lacks") or []
+    if not (isinstance(lacks, list) and all(isinstance(x, str) for x in lacks)):
+        raise CaptureError("manifest.json field 'lacks' is malformed (expected a list of "
+                           f"{', '.join(PARTS)})")
+    bad = [x for x in lacks if x not in PARTS]
+    if bad:
+        raise CaptureError(f"manifest.json field 'lacks' names {bad[0]!r}: expected some of "
+                           f"{', '.join(PARTS)}")
+    return list(dict.fromkeys(lacks))
 
 
 def force_precision(mod: nn.Module, dtype: torch.dtype, device_type: str) -> None:

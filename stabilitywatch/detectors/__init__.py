@@ -8,6 +8,7 @@ from .nonfinite import NonFiniteDetector
 from .range import RangeDetector
 from .shadow import ShadowDetector
 from .spike import SpikeDetector
+from .update import UpdateDetector
 
 _EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
 
@@ -17,8 +18,11 @@ def build_detectors(config: Config) -> list[Detector]:
     `config.detectors`, in the order they run on each frame."""
     dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
                             RangeDetector(config)]
-    return dets + [_EXTRA[name](config) for name in config.detectors]
+    dets += [_EXTRA[name](config) for name in config.detectors]
+    if config.update_stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
+        dets.append(UpdateDetector(config))
+    return dets
 
 
 __all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "RangeDetector",
-           "ShadowDetector", "SpikeDetector", "build_detectors"]
+           "ShadowDetector", "SpikeDetector", "UpdateDetector", "build_detectors"]

@@ -4,8 +4,9 @@ from .base import Sink
 from .console import ConsoleSink
 from .jsonl import JsonlSink
 from .runner import SinkRunner
-from .tensorboard_sink import DEFAULT_STATS_KEYS, TensorBoardSink
+from .dashboard import Dashboard
+from .tensorboard_sink import TensorBoardSink
 from .wandb_sink import WandbSink
 
 __all__ = ["Sink", "SinkRunner", "JsonlSink", "ConsoleSink", "WandbSink", "TensorBoardSink",
-           "DEFAULT_STATS_KEYS"]
+           "Dashboard"]

@@ -1,8 +1,10 @@
-"""Sink ABC and the fan-out that runs sinks on a background thread behind a bounded queue.
+"""The Sink ABC: where statistics records and alerts go.
 
 A sink receives stats records (dicts: schema, step, rank, world_size, module, tensor, stats) and
-Alert objects. A sink that raises is switched off with one warning; training never waits on a
-slow sink except for alerts, which wait briefly for queue space rather than being dropped.
+Alert objects, on a thread of its own (runner.py): its methods are never called from two threads
+at once, and never from the training thread. A plug-in sink is any subclass, passed as an entry
+of Config.sinks. A call that raises (anything) or does not return within Config.sink_timeout
+switches the sink off with one warning; training never waits for it.
 """
 from __future__ import annotations
 
@@ -31,3 +33,11 @@ class Sink(abc.ABC):
 
     def close(self) -> None:
         """Flush and release resources."""
+
+    def lost(self) -> dict[str, Any]:
+        """What this sink was handed but could not write by itself, e.g. statistics dropped on a
+        full disk: {"alerts": n, "records": n, "note": why} (optional; run.json carries it)."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<sink {self.name!r}: {type(self).__module__}.{type(self).__qualname__}>"

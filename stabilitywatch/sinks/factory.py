@@ -1,4 +1,5 @@
-"""Build the sinks named in a Config; a sink that cannot start is reported once and skipped."""
+"""Build the sinks of a Config: names are made here, Sink instances (plug-in sinks) are used as
+they are; a sink that cannot start is reported once and skipped."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,10 @@ log = logging.getLogger("stabilitywatch")
 
 def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> list[Sink]:
     sinks: list[Sink] = []
-    stats_keys = {"stats_keys": config.wandb_stats} if config.wandb_stats else {}
     for name in config.sinks:
+        if isinstance(name, Sink):
+            sinks.append(name)
+            continue
         try:
             if name == "jsonl":
                 from .jsonl import JsonlSink
@@ -24,11 +27,12 @@ def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> lis
                 sinks.append(ConsoleSink(min_severity="warning"))
             elif name == "wandb":
                 from .wandb_sink import WandbSink
-                sinks.append(WandbSink(run_dir, project=config.wandb_project, rank=rank,
-                                       **stats_keys))
+                sinks.append(WandbSink(run_dir, project=config.wandb_project, config=config,
+                                       rank=rank, world_size=world_size, run=config.wandb_run))
             elif name == "tensorboard":
                 from .tensorboard_sink import TensorBoardSink
-                sinks.append(TensorBoardSink(run_dir, rank=rank, **stats_keys))
+                sinks.append(TensorBoardSink(run_dir, config=config, rank=rank,
+                                             world_size=world_size))
         except Exception as e:
             log.warning("stabilitywatch: sink %r could not start (%s: %s); running without it",
                         name, type(e).__name__, e)

@@ -4,28 +4,38 @@ Alerts are written and fsync'd here, as they arrive. Stats lines are formatted a
 writer process (jsonl_writer.py, started on the first record): formatting a frame's floats on
 the sink's thread held the GIL that the training thread needs for every PyTorch call. Where the
 process cannot start, or with JsonlSink(process=False), they are written here.
+
+Alerts come before statistics: alerts.jsonl is created before stats.jsonl and keeps a reserve of
+disk space (line_file.py); when statistics cannot be written (a full disk, a dead writer), they
+are dropped from then on, counted (lost()) with one warning, and alerts go on. A full disk costs
+only the alert that met it (counted); other errors on alerts.jsonl raise (the runner switches
+the sink off). Both files always end on a complete line.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 from ..alert import Alert
 from ..stats.derive import DerivedRow
-from . import jsonl_lines
+from . import jsonl_lines, line_file
 from .base import Sink
 from .child import HERE, Child
+
+log = logging.getLogger("stabilitywatch")
 
 _WRITER = os.path.join(HERE, "jsonl_writer.py")
 _dumps = jsonl_lines.dumps
 _clean_record = jsonl_lines.clean_record
+ALERT_RESERVE = 256 * 1024   # bytes kept allocated past the end of alerts.jsonl (~600 alerts)
 
 
 class JsonlSink(Sink):
     name = "jsonl"
 
     def __init__(self, run_dir: str | os.PathLike, rank: int = 0, world_size: int = 1,
-                 process: bool = True):
+                 process: bool = True, alert_reserve: Optional[int] = None):
         self.run_dir = os.fspath(run_dir)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -33,94 +43,130 @@ class JsonlSink(Sink):
         suffix = "" if self.rank == 0 else f".rank{self.rank}"
         self.alerts_path = os.path.join(self.run_dir, f"alerts{suffix}.jsonl")
         self.stats_path = os.path.join(self.run_dir, f"stats{suffix}.jsonl")
-        self._alerts: Optional[TextIO] = None
-        self._stats: Optional[TextIO] = None   # stats written here (no writer process)
+        self.alert_reserve = ALERT_RESERVE if alert_reserve is None else int(alert_reserve)
+        self._alerts: Optional[line_file.LineFile] = None
+        self._stats: Optional[line_file.LineFile] = None   # stats written here (no writer process)
         self._writer: Optional[Child] = None
         self._process = process
         self._closed = False
+        self._stats_error: Optional[str] = None   # why stats are no longer written
+        self._sent = 0                            # records handed to the writer process
+        self.alerts_lost = 0
+        self.records_lost = 0
+        self._warned_alerts = False
 
-    def _open(self, path: str) -> TextIO:
-        # Created lazily so that an unwritable run_dir fails inside the sink runner (one warning,
-        # sink switched off) instead of in the user's code.
-        os.makedirs(self.run_dir, exist_ok=True)
-        f = open(path, "a", encoding="utf-8")
-        if f.tell() > 0 and not _ends_with_newline(path):
-            # a writer killed mid-line (a dead rank, a crash before a restart): end its partial
-            # line so that every line written from now on parses
-            f.write("\n")
-            f.flush()
-        return f
+    def _alerts_file(self) -> line_file.LineFile:
+        # Created lazily (on the first alert or record) so that an unwritable run_dir fails
+        # inside the sink runner (one warning, sink switched off), not in the user's code, and
+        # a rank that never writes creates nothing.
+        if self._alerts is None:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._alerts = line_file.LineFile(self.alerts_path, reserve=self.alert_reserve)
+        return self._alerts
 
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
             return
-        if self._writer is None and self._stats is None:
-            self._start()
-        if self._writer is not None:
-            self._writer.send(("lines", to_parts(records)))
+        try:
+            self._alerts_file()   # before any statistics: alerts.jsonl and its reserve first
+        except OSError as e:
+            if e.errno not in line_file.FULL:
+                raise
+        if self._stats_error is not None:
+            self.records_lost += len(records)
             return
-        # One write per batch: a failure leaves earlier lines intact.
-        self._stats.write(encode_records(records))
-        self._stats.flush()
+        try:
+            if self._writer is None and self._stats is None:
+                self._start()
+            if self._writer is not None:
+                self._writer.send(("lines", to_parts(records)))
+                self._sent += len(records)
+            else:
+                # One write per batch: a failure cuts it back, earlier lines stay intact.
+                self._stats.append(encode_records(records).encode("utf-8"))
+        except OSError as e:
+            self._stop_stats(e, len(records))
 
     def alert(self, alert: Alert) -> None:
         if self._closed:
             return
-        if self._alerts is None:
-            self._alerts = self._open(self.alerts_path)
-        self._alerts.write(_dumps(alert.to_dict()) + "\n")
-        # An alert may precede a crash of the training process: make it durable right away.
-        self._alerts.flush()
-        os.fsync(self._alerts.fileno())
+        line = (_dumps(alert.to_dict()) + "\n").encode("utf-8")
+        try:
+            # An alert may precede a crash of the training process: durable right away.
+            self._alerts_file().append(line, sync=True)
+        except OSError as e:
+            if e.errno not in line_file.FULL:
+                raise
+            self.alerts_lost += 1
+            if not self._warned_alerts:
+                self._warned_alerts = True
+                log.warning("stabilitywatch: sink 'jsonl': no space for %s (%s); the alert of "
+                            "step %s is not written (counted in run.json), later ones are tried "
+                            "as they come", self.alerts_path, e, alert.step)
+
+    def lost(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"alerts": self.alerts_lost, "records": self.records_lost}
+        if self._stats_error is not None:
+            out["note"] = f"statistics stopped: {self._stats_error}"
+        return out
 
     def flush(self) -> None:
-        for f in (self._alerts, self._stats):
-            if f is not None and not f.closed:
-                f.flush()
-                os.fsync(f.fileno())
-        if self._writer is not None:
-            self._writer.request(("flush",))
+        # each alert was fsync'd as it was written
+        self._sync_stats("flush")
 
     def close(self) -> None:
         if self._closed:
             return
+        self._sync_stats("close")
         self._closed = True
-        files, self._alerts, self._stats = (self._alerts, self._stats), None, None
-        error = None
-        if self._writer is not None:
-            w, self._writer = self._writer, None
-            try:
-                w.request(("close",))
-            except OSError as e:
-                error = e
-            finally:
-                w.stop()
-        for f in files:
-            if f is None:
-                continue
-            try:
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as e:
-                error = error or e
-            finally:
-                f.close()
-        if error is not None:
-            raise error
+        f, self._alerts = self._alerts, None
+        if self._stats is not None:
+            self._stats.close()
+            self._stats = None
+        if f is not None:
+            f.close()   # gives back the reserve
 
-    # -- the writer process ------------------------------------------------------------------
+    # -- statistics: the writer process, or this thread --------------------------------------
     def _start(self) -> None:
-        self._open(self.stats_path).close()  # the directory, and a partial last line ended
+        # the file made here, and a cut last line repaired, before the writer opens it
+        line_file.LineFile(self.stats_path).close()
         if self._process:
             self._writer = Child.start(["-I", _WRITER, self.stats_path], "JSONL writer process")
         if self._writer is None:
-            self._stats = self._open(self.stats_path)
+            self._stats = line_file.LineFile(self.stats_path)
 
+    def _sync_stats(self, what: str) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.request((what,))
+                if what == "close":
+                    w, self._writer = self._writer, None
+                    w.stop()
+            elif self._stats is not None:
+                self._stats.sync()
+        except OSError as e:
+            self._stop_stats(e, 0)
 
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
+    def _stop_stats(self, e: OSError, n: int) -> None:
+        """Statistics cannot be written (full disk, writer gone): dropped from now on, counted,
+        one warning; alerts go on."""
+        lost = n
+        if self._writer is not None:
+            w, self._writer = self._writer, None
+            # sent and not confirmed written ("ok N" / "note N": N records written): lost
+            written = w.report
+            lost += self._sent - (int(written) if written and written.isdigit() else 0)
+            w.stop(kill=True)
+            line_file.repair(self.stats_path)   # a writer killed mid-line
+        if self._stats is not None:
+            f, self._stats = self._stats, None
+            f.close()
+        self.records_lost += lost
+        if self._stats_error is None:
+            self._stats_error = f"{type(e).__name__}: {e}"
+            log.warning("stabilitywatch: sink 'jsonl': cannot write %s (%s); statistics are "
+                        "dropped from now on (counted in run.json), alerts go on",
+                        self.stats_path, self._stats_error)
 
 
 def to_parts(records: list[dict[str, Any]]) -> list:

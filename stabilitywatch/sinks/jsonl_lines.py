@@ -43,6 +43,11 @@ def encode_parts(parts: list) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def count_records(parts: list) -> int:
+    """How many records (lines) encode_parts(parts) writes."""
+    return sum(1 if p[0] == "record" else len(p[2]) for p in parts)
+
+
 def stats_objects(table: dict, rows: list) -> list:
     """One JSON object per row of the table; the same text as dumps(clean_record(...))."""
     keys = list(table)

@@ -3,9 +3,11 @@
 Formatting a frame's ~21,000 floats takes ~10 ms of CPU; on the sink's thread it held the GIL
 that every PyTorch call of the training thread takes back (benchmarks/RESULTS.md, session 3).
 Here it runs in its own process, which imports nothing but the standard library and the modules
-beside it (jsonl_lines.py, child_loop.py; not the package, not torch).
+beside it (jsonl_lines.py, line_file.py, child_loop.py; not the package, not torch).
 
-Messages (child_loop.py): ("lines", parts) | ("flush",) | ("close",).
+Messages (child_loop.py): ("lines", parts) | ("flush",) | ("close",). Its reports ("ok N",
+"note N" before an error) give N, the records written so far. A write that fails (a full disk)
+is cut back to the last complete line (line_file.py) before the writer says so and exits.
 """
 from __future__ import annotations
 
@@ -18,26 +20,25 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
 import child_loop  # noqa: E402
 import jsonl_lines  # noqa: E402
+import line_file  # noqa: E402
 
 
 def main(path: str) -> int:
     try:
-        f = open(path, "a", encoding="utf-8")
+        f = line_file.LineFile(path)
     except OSError as e:
+        child_loop.say("note 0")
         child_loop.say(f"error {e.errno or 0} {e.strerror or e}")
         return 1
+    written = [0]
 
     def handle(msg):
         if msg[0] != "lines":
             raise ValueError(f"unknown message {msg[0]!r}")
-        f.write(jsonl_lines.encode_parts(msg[1]))
-        f.flush()
+        f.append(jsonl_lines.encode_parts(msg[1]).encode("utf-8"))
+        written[0] += jsonl_lines.count_records(msg[1])
 
-    def sync():
-        f.flush()
-        os.fsync(f.fileno())
-
-    return child_loop.serve(handle, sync, f.close)
+    return child_loop.serve(handle, f.sync, f.close, report=lambda: str(written[0]))
 
 
 if __name__ == "__main__":

@@ -1,97 +1,122 @@
-"""SinkRunner: fans records and alerts out to sinks on one background thread.
+"""SinkRunner: fans statistics records and alerts out to sinks, each on a thread of its own.
 
-Training never waits for stats (a full queue drops them, counted), waits at most a few seconds
-for an alert, and never sees a sink's exception: a failing sink is switched off with one warning.
+What it guarantees (README "Sinks"):
+- log() and alert() never wait for a sink: they append to each sink's queues (worker.py) under a
+  lock that is never held while a sink runs, so no sink can stall training or starve another.
+- Alerts are never dropped for lack of queue space; a batch of statistics records that finds a
+  sink's queue (queue_size batches) full is dropped for that sink, counted, one warning.
+- A sink call (log, alert, flush) that does not return within `timeout` seconds, or that raises
+  anything, BaseException included, switches that sink off with one warning naming it.
+- close() takes at most `close_timeout` seconds in all; a sink not done by then is abandoned,
+  one warning naming it.
+- report(): per sink, its state and what it did not write, for run.json.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from typing import Any
+import time
+from typing import Any, Optional
 
 from ..alert import Alert
 from .base import Sink
+from .worker import ABANDONED, OK, TIMED_OUT, Worker
 
 log = logging.getLogger("stabilitywatch")
 
-ALERT_PUT_TIMEOUT = 5.0
-_LOG, _ALERT, _FLUSH, _STOP = "log", "alert", "flush", "stop"
+SINK_TIMEOUT = 10.0         # seconds a log/alert/flush call may take (Config.sink_timeout)
+CLOSE_TIMEOUT = 30.0        # seconds close() may take in all (Config.sink_close_timeout)
 
 
 class SinkRunner:
-    def __init__(self, sinks: list[Sink], queue_size: int = 1024):
+    def __init__(self, sinks: list[Sink], queue_size: int = 1024,
+                 timeout: float = SINK_TIMEOUT, close_timeout: float = CLOSE_TIMEOUT):
         self.sinks = list(sinks)
-        self._dead: set[int] = set()          # indices of sinks switched off
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(queue_size)))
-        self._dropped = 0
-        self._warned_drop = False
+        self.timeout = float(timeout)
+        self.close_timeout = float(close_timeout)
         self._closed = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="stabilitywatch-sinks",
-                                        daemon=True)
-        self._thread.start()
+        self._changed = threading.Condition()   # a worker finished or was switched off
+        self._workers = [Worker(s, n, queue_size, self._wake)
+                         for s, n in zip(self.sinks, _names(self.sinks))]
 
     @property
     def dropped(self) -> int:
-        """Stats records dropped because the queue was full."""
-        return self._dropped
+        """Stats records dropped because a sink's queue was full (summed over sinks)."""
+        return sum(w.dropped for w in self._workers)
 
     @property
     def failed(self) -> list[str]:
-        """Names of the sinks that were switched off."""
-        return [_name(self.sinks[i]) for i in sorted(self._dead)]
+        """Names of the sinks that were switched off (failed, timed out or abandoned)."""
+        return [w.name for w in self._workers if w.state != OK]
 
-    # caller side ---------------------------------------------------------------------------
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per sink name: state ("ok", "failed", "timed_out", "abandoned"), error, and counts:
+        alerts_lost / records_lost (handed to the sink and not written: it was switched off, or
+        said so itself, e.g. statistics dropped on a full disk), records_dropped (its queue was
+        full)."""
+        self._watch()
+        return {w.name: w.counts() for w in self._workers}
+
+    # -- the training thread's side -----------------------------------------------------------
     def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
             return
-        try:
-            self._queue.put_nowait((_LOG, records))
-        except queue.Full:
-            self._dropped += len(records)
-            if not self._warned_drop:
-                self._warned_drop = True
-                log.warning("stabilitywatch: sink queue full, dropped %d stats records so far "
-                            "(sinks slower than training); alerts are never dropped",
-                            self._dropped)
+        self._watch()
+        for w in self._workers:
+            if w.put_records(records):
+                log.warning("stabilitywatch: sink '%s' is slower than training: its queue is "
+                            "full, so stats records are dropped for it (counted in run.json); "
+                            "alerts are never dropped", w.name)
 
     def alert(self, alert: Alert) -> None:
         if self._closed:
             return
-        try:
-            self._queue.put((_ALERT, alert), timeout=ALERT_PUT_TIMEOUT)
-        except queue.Full:
-            # The worker is stuck in a slow sink: deliver here rather than lose the alert. This
-            # may run a sink on two threads at once, which beats blocking training on a lock.
-            self._deliver(_ALERT, alert)
+        self._watch()
+        for w in self._workers:
+            w.put_alert(alert)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything queued so far reached the sinks, then flush them. Returns False
-        when that did not happen within timeout seconds."""
+        """Wait until everything queued so far reached the sinks that are on, then flush them.
+        False when that did not happen within timeout seconds (or the runner is closed)."""
         if self._closed:
             return False
-        done = threading.Event()
-        try:
-            self._queue.put((_FLUSH, done), timeout=timeout)
-        except queue.Full:
-            return False
-        return done.wait(timeout)
+        deadline = time.monotonic() + timeout
+        for w, done in [(w, w.request_flush()) for w in self._workers]:
+            while done is not None and not done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                done.wait(min(left, self._next_check(w)))
+                self._watch()
+        return True
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue, close every sink, stop the thread. Idempotent."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Write what is queued, close every sink, all within close_timeout seconds (or
+        timeout); sinks not done by then are abandoned with one warning each. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._queue.put((_STOP, None), timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("stabilitywatch: sinks did not finish within %.0f s; giving up on them",
-                        timeout)
+        limit = self.close_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        for w in self._workers:
+            w.stop()
+        with self._changed:
+            while True:
+                self._watch()
+                pending = [w for w in self._workers if not w.done]
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                self._changed.wait(min([left] + [self._next_check(w) for w in pending]))
+        for w in pending:
+            why = f"did not finish within {limit:g} s of close()"
+            if w.switch_off(ABANDONED, why):
+                c = w.counts()
+                log.warning("stabilitywatch: sink '%s' %s; abandoned (%d alerts and %d stats "
+                            "records not written, counted in run.json)", w.name, why,
+                            c["alerts_lost"], c["records_lost"])
 
     def __enter__(self) -> "SinkRunner":
         return self
@@ -99,56 +124,40 @@ class SinkRunner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # worker side ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            kind, payload = self._queue.get()
-            try:
-                if kind == _STOP:
-                    self._close_sinks()
-                    return
-                if kind == _FLUSH:
-                    self._deliver(_FLUSH, None)
-                    payload.set()
-                else:
-                    self._deliver(kind, payload)
-            finally:
-                self._queue.task_done()
-
-    def _deliver(self, kind: str, payload: Any) -> None:
-        for i, sink in enumerate(self.sinks):
-            if i in self._dead:
+    # -- the watchdog (runs on the caller's thread: log, alert, flush, close, report) ----------
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            call = w.overdue(now, self.timeout)
+            if call is None:
                 continue
-            try:
-                if kind == _LOG:
-                    sink.log(payload)
-                elif kind == _ALERT:
-                    sink.alert(payload)
-                else:
-                    sink.flush()
-            except Exception as e:
-                self._switch_off(i, e)
+            why = f"{call[0]}() did not return within {self.timeout:g} s"
+            if w.switch_off(TIMED_OUT, why, stuck_in=call):
+                c = w.counts()
+                log.warning("stabilitywatch: sink '%s' timed out: %s; switched off and never "
+                            "called again, training goes on (%d alerts and %d stats records it "
+                            "had not written are counted in run.json)", w.name, why,
+                            c["alerts_lost"], c["records_lost"])
 
-    def _close_sinks(self) -> None:
-        for i, sink in enumerate(self.sinks):
-            try:
-                sink.close()
-            except Exception as e:
-                if i in self._dead:
-                    # Already reported; closing is only a courtesy to free its resources.
-                    log.debug("stabilitywatch: closing failed sink %r: %r", _name(sink), e)
-                else:
-                    self._switch_off(i, e)
+    def _next_check(self, w: Worker) -> float:
+        # how long until w's call in flight (if any) is overdue
+        call = w.call
+        if call is None or call[0] == "close":
+            return self.timeout
+        return max(0.001, call[1] + self.timeout - time.monotonic() + 0.001)
 
-    def _switch_off(self, i: int, e: BaseException) -> None:
-        # Locked: an alert delivered on the caller's thread may fail at the same time.
-        with self._lock:
-            if i in self._dead:
-                return
-            self._dead.add(i)
-        log.warning("stabilitywatch: sink '%s' failed (%s: %s); switched off, training goes on",
-                    _name(self.sinks[i]), type(e).__name__, e)
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
 
-def _name(sink: Any) -> str:
-    return str(getattr(sink, "name", None) or type(sink).__name__)
+def _names(sinks: list[Sink]) -> list[str]:
+    # report() keys: two sinks of one name are told apart by a suffix
+    names: list[str] = []
+    for s in sinks:
+        base = str(getattr(s, "name", None) or type(s).__name__)
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}#{k}", k + 1
+        names.append(name)
+    return names

@@ -65,17 +65,19 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
         cols["dynamic_range_bits"] = np.where(has & (absmax > 0) & np.isfinite(nz),
                                               np.log2(absmax) - np.log2(nz), nan)
     table = {k: c.tolist() for k, c in cols.items()}  # sync-ok: host numpy arrays
-    return [DerivedRow(table, i) for i in range(rows.shape[0])]
+    hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
+    hists.flags.writeable = False
+    return [DerivedRow(table, i, hists) for i in range(rows.shape[0])]
 
 
 class DerivedRow(Mapping):
     """One row's named values, read from the frame's shared columns: building a dict per row was
     most of the frame's host time; sinks iterate it later, on their own thread."""
 
-    __slots__ = ("_cols", "_i")
+    __slots__ = ("_cols", "_i", "_hists")
 
-    def __init__(self, cols: dict, i: int):
-        self._cols, self._i = cols, i
+    def __init__(self, cols: dict, i: int, hists: "np.ndarray | None" = None):
+        self._cols, self._i, self._hists = cols, i, hists
 
     def __getitem__(self, key: str) -> float:
         return self._cols[key][self._i]
@@ -99,6 +101,12 @@ class DerivedRow(Mapping):
     def index(self) -> int:
         """This row's position in the columns."""
         return self._i
+
+    @property
+    def hist(self) -> "np.ndarray | None":
+        """The row's exponent histogram counts (layout.HIST_*; not one of the mapping's keys,
+        so stats.jsonl leaves it out), read-only."""
+        return None if self._hists is None else self._hists[self._i]
 
     def __repr__(self) -> str:
         return repr(dict(self))
