@@ -1,4 +1,5 @@
 """`stabilitywatch report RUN_DIR`: the page written from a real monitored run with a fault."""
+import html
 import json
 import os
 import re
@@ -104,13 +105,20 @@ def test_replay_verdict_beside_the_bundle_is_shown(run_dir, tmp_path):
     run = tmp_path / "r"
     shutil.copytree(run_dir, run)
     bundle = run / critical(run)["capture"]
-    rep = sw.replay(str(bundle), json_file=str(bundle) + ".replay.json", progress=False)
+    before = report(run)
+    assert ("not replayed: <code>stabilitywatch replay " + str(bundle) + " --model-factory "
+            "capture_models:build --step-fn capture_models:step_fp16 --json "
+            + str(bundle) + ".replay.json</code>") in before
+    rep = sw.replay(str(bundle), model_factory="capture_models:build",
+                    step_fn="capture_models:step_fp16", json_file=str(bundle) + ".replay.json",
+                    progress=False)
     text = report(run)
     assert "not replayed" not in text.split(critical(run)["capture"], 1)[1].split("</tr>")[0]
     label = "reproduces" if rep["reproduces"] else "does not reproduce"
     assert label in text
     if rep["first_divergent_module"]:
         assert f"first divergent module: {rep['first_divergent_module']}" in text
+    assert html.escape(f"verdict ({rep['verdict']['kind']}): {rep['verdict']['text']}") in text
     assert Page(text).links.count(f"captures/{bundle.name}.replay.json") == 1
 
 

@@ -77,7 +77,10 @@ def _bundle_html(cap: str, d, verdicts: dict, out: Path) -> tuple[str, str]:
     link = f"<a href='{_href(b, out)}'><code>{_e(cap)}</code></a>"
     v = verdicts.get(b)
     if v is None:
-        cmd = f"stabilitywatch replay {b} --json {b}.replay.json"
+        names = "".join(f" --{flag} {d.manifest[key]}" for flag, key in
+                        (("model-factory", "model_factory"), ("step-fn", "step_fn"))
+                        if isinstance(d.manifest.get(key), str))
+        cmd = f"stabilitywatch replay {b}{names} --json {b}.replay.json"
         return link, f"<span class='muted'>not replayed: <code>{_e(cmd)}</code></span>"
     label, sentence = verdict_text(v["report"])
     cls = "ok" if v["report"].get("reproduces") is True else "bad"

@@ -94,11 +94,13 @@ def verdict_text(rep: dict) -> tuple[str, str]:
     label = ("reproduces" if repro is True else "does not reproduce" if repro is False
              else "no verdict")
     words = []
-    sub = rep.get("reproduce")
-    v = rep.get("verdict") if isinstance(rep.get("verdict"), str) else (
-        sub.get("verdict") if isinstance(sub, dict) and isinstance(sub.get("verdict"), str) else None)
-    if v:
+    sub, v = rep.get("reproduce"), rep.get("verdict")
+    if isinstance(v, dict) and isinstance(v.get("text"), str):   # {kind, text, ...}
+        words.append(f"verdict ({v.get('kind', '?')}): {v['text']}")
+    elif isinstance(v, str):
         words.append(v)
+    elif isinstance(sub, dict) and isinstance(sub.get("verdict"), str):
+        words.append(sub["verdict"])
     if isinstance(first, str) and first:
         fd = rep.get("first_divergent")
         role = fd.get("tensor") if isinstance(fd, dict) and isinstance(fd.get("tensor"), str) else ""
