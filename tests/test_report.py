@@ -117,7 +117,7 @@ def test_replay_verdict_beside_the_bundle_is_shown(run_dir, tmp_path):
     label = "reproduces" if rep["reproduces"] else "does not reproduce"
     assert label in text
     if rep["first_divergent_module"]:
-        assert f"first divergent module: {rep['first_divergent_module']}" in text
+        assert f"departs at {rep['first_divergent_module']}" in text
     assert html.escape(f"verdict ({rep['verdict']['kind']}): {rep['verdict']['text']}") in text
     assert Page(text).links.count(f"captures/{bundle.name}.replay.json") == 1
 

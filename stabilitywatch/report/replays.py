@@ -105,9 +105,10 @@ def verdict_text(rep: dict) -> tuple[str, str]:
         fd = rep.get("first_divergent")
         role = fd.get("tensor") if isinstance(fd, dict) and isinstance(fd.get("tensor"), str) else ""
         where = f"{first} ({role})" if role else first
-        words.append(f"first divergent module: {where}")
+        if not isinstance(v, dict):   # a verdict object names it already
+            words.append(f"first divergent module: {where}")
         label += f"; departs at {where}"
-    elif "first_divergent_module" in rep:
+    elif "first_divergent_module" in rep and not isinstance(v, dict):
         words.append("no module departs from the reference beyond the tolerance")
     up = rep.get("upcast")
     if isinstance(up, dict) and "anomaly_disappears" in up:
