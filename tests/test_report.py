@@ -230,11 +230,13 @@ def test_without_matplotlib_says_what_to_install(tmp_path):
     assert not (tmp_path / "report.html").exists()
 
 
-def test_out_elsewhere_keeps_links_working(run_dir, tmp_path, capsys):
+def test_out_elsewhere_keeps_links_working(run_dir, tmp_path):
     out = tmp_path / "elsewhere" / "page.html"
     out.parent.mkdir()
-    assert cli.main(["report", str(run_dir), "--out", str(out)]) == 0
-    assert capsys.readouterr().out == f"report: {out}\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "stabilitywatch", "report", str(run_dir), "--out",
+                        str(out)], capture_output=True, text=True, env=env, timeout=180)
+    assert (r.returncode, r.stdout) == (0, f"report: {out}\n"), r.stderr
     links = [unquote(h) for h in Page(out.read_text()).links if "captures" in h]
     assert links and all((out.parent / h).resolve().is_dir() for h in links)
     assert cli.main(["report", str(run_dir), "--out", str(out.parent)]) == 0   # a directory
@@ -262,3 +264,23 @@ def test_screenshot_in_headless_chromium_is_not_blank(run_dir, page_text, tmp_pa
     inked = (px < 0.9).any(axis=2).mean()
     colourful = (px.max(axis=2) - px.min(axis=2) > 0.3).mean()   # heatmaps, severity badges
     assert inked > 0.05 and colourful > 0.02, (inked, colourful)
+
+
+def test_long_timelines_keep_the_worst_incidents(tmp_path):
+    from stabilitywatch.report.page import MAX_INCIDENTS, MAX_LISTED
+
+    def alert(step, sev, module, **kw):
+        return json.dumps({"step": step, "severity": sev, "detector": "drift", "module": module,
+                           "tensor": "output", "stat": "x", "value": 1.0, "message": "m",
+                           "capture": None, **kw}) + "\n"
+
+    lines = [alert(s, "warning", f"w{s}") for s in range(MAX_INCIDENTS + 50)]
+    lines += [alert(10_000, "critical", f"late{k}", incident="late", root=k == 0)
+              for k in range(MAX_LISTED + 30)]
+    (tmp_path / "alerts.jsonl").write_text("".join(lines))
+    text = report(tmp_path)
+    assert "<code>late0</code>" in text            # the critical incident, though the latest
+    assert "... 29 more" in text and "<code>late200</code>" in text
+    assert "<code>late201</code>" not in text
+    assert "... 51 more group(s), less severe or later, not shown" in text
+    assert f"<code>w{MAX_INCIDENTS - 2}</code>" in text and f"<code>w{MAX_INCIDENTS}</code>" not in text

@@ -12,6 +12,8 @@ from urllib.parse import quote
 from .replays import bundle_path, verdict_text
 
 SEVERITY_RANK = {"critical": 2, "warning": 1, "info": 0}
+MAX_INCIDENTS = 300   # rows of the timeline (and of its info-only part)
+MAX_LISTED = 200      # consequences listed under one incident (all are counted)
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;
@@ -113,7 +115,9 @@ def timeline_html(d, verdicts: dict, out: Path) -> str:
         worst = max(SEVERITY_RANK.get(a.get("severity"), 0) for a in g)
         rows = [f"<tr class='root'>{_alert_cells(g[0])}{_capture_cells(g, d, verdicts, out)}</tr>"]
         if len(g) > 1:
-            inner = "".join(f"<tr>{_alert_cells(a)}</tr>" for a in g[1:])
+            inner = "".join(f"<tr>{_alert_cells(a)}</tr>" for a in g[1:MAX_LISTED + 1])
+            if len(g) - 1 > MAX_LISTED:
+                inner += f"<tr><td colspan='7'>... {len(g) - 1 - MAX_LISTED} more</td></tr>"
             by = {}
             for a in g[1:]:
                 by[a.get("severity")] = by.get(a.get("severity"), 0) + 1
@@ -121,8 +125,15 @@ def timeline_html(d, verdicts: dict, out: Path) -> str:
             rows.append(f"<tr><td></td><td colspan='8'><details><summary>{len(g) - 1} "
                         f"consequence(s): {_e(count)}</summary><table>{inner}</table></details>"
                         f"</td></tr>")
-        (main if worst > 0 else quiet).append("".join(rows))
+        (main if worst > 0 else quiet).append((-worst, len(main) + len(quiet), "".join(rows)))
     parts = []
+    for rows in (main, quiet):   # over the cap: the worst, earliest first, shown in step order
+        if len(rows) > MAX_INCIDENTS:
+            n = len(rows) - MAX_INCIDENTS
+            rows[:] = sorted(sorted(rows)[:MAX_INCIDENTS], key=lambda r: r[1])
+            rows.append((0, 0, f"<tr><td colspan='9'>... {n} more group(s), less severe or "
+                               "later, not shown (see alerts.jsonl)</td></tr>"))
+        rows[:] = [r[2] for r in rows]
     if main:
         parts.append(f"<table>{head}{''.join(main)}</table>")
     else:
