@@ -35,8 +35,9 @@ class Page(HTMLParser):
         a = dict(attrs)
         if tag == "a" and "href" in a:
             self.links.append(a["href"])
+        inline = (a.get("xlink:href") or a.get("href") or "").startswith("data:")
         if tag in ("script", "link", "img", "iframe", "object", "embed") or \
-                (tag == "image" and not (a.get("xlink:href") or a.get("href") or "").startswith("data:")):
+                (tag == "image" and not inline):
             self.fetching.append((tag, a))
         if tag == "svg":
             self.svgs += 1
@@ -124,9 +125,9 @@ def test_replay_verdict_beside_the_bundle_is_shown(run_dir, tmp_path):
 
 def test_incidents_root_first_with_consequences_counted(tmp_path):
     lines = [
-        {"step": 3, "severity": "warning", "detector": "overflow", "module": "b", "tensor": "output",
-         "stat": "fp16_overflow_frac", "value": 0.5, "message": "m-b", "capture": None,
-         "incident": "s3-1", "root": False},
+        {"step": 3, "severity": "warning", "detector": "overflow", "module": "b",
+         "tensor": "output", "stat": "fp16_overflow_frac", "value": 0.5, "message": "m-b",
+         "capture": None, "incident": "s3-1", "root": False},
         {"step": 3, "severity": "critical", "detector": "nonfinite", "module": "a",
          "tensor": "grad", "stat": "inf", "value": "inf", "message": "m-a", "capture": None,
          "incident": "s3-1", "root": True},
@@ -283,4 +284,5 @@ def test_long_timelines_keep_the_worst_incidents(tmp_path):
     assert "... 29 more" in text and "<code>late200</code>" in text
     assert "<code>late201</code>" not in text
     assert "... 51 more group(s), less severe or later, not shown" in text
-    assert f"<code>w{MAX_INCIDENTS - 2}</code>" in text and f"<code>w{MAX_INCIDENTS}</code>" not in text
+    assert f"<code>w{MAX_INCIDENTS - 2}</code>" in text
+    assert f"<code>w{MAX_INCIDENTS}</code>" not in text

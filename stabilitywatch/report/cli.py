@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     r.add_argument("--formats", metavar="F,F", default=None,
                    help="formats of the underflow/overflow heatmaps, e4m3,e5m2,fp16 (default: "
                         "the role's format in Config.formats, else fp16)")
-    r.add_argument("--max-modules", type=int, default=60, metavar="N", help="rows per heatmap (default 60)")
+    r.add_argument("--max-modules", type=int, default=60, metavar="N",
+                   help="rows per heatmap (default 60)")
     r.add_argument("--max-steps", type=int, default=240, metavar="N",
                    help="columns per heatmap (default 240); more steps share a column")
 

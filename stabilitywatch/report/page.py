@@ -27,7 +27,8 @@ th{background:#f6f6f6}code{font-size:12px;background:#f4f4f4;padding:0 3px}
 .critical{background:#d62728}.warning{background:#ff7f0e}.info{background:#7f7f7f}
 .root td{background:#fff8f6}.fig svg{max-width:100%;height:auto}
 .cols{columns:3 380px;font-size:12px}.cols div{break-inside:avoid;padding:1px 0}
-.ok{color:#2a7a2a}hr{border:0;border-top:1px dashed #ddd;margin:4px 0}.bad{color:#b00}details{margin:4px 0}summary{cursor:pointer}
+.ok{color:#2a7a2a}.bad{color:#b00}hr{border:0;border-top:1px dashed #ddd;margin:4px 0}
+details{margin:4px 0}summary{cursor:pointer}
 """
 
 
@@ -57,6 +58,15 @@ def _groups(alerts: list) -> list[list[dict]]:
         head = roots[0] if roots else members[0]
         out.append([head] + [a for a in members if a is not head])
     return out
+
+
+def _by_severity(alerts: list) -> str:
+    """'1 critical, 2 info': counts, worst first."""
+    by: dict = {}
+    for a in alerts:
+        by[a.get("severity")] = by.get(a.get("severity"), 0) + 1
+    order = sorted(by.items(), key=lambda x: -SEVERITY_RANK.get(x[0], 0))
+    return ", ".join(f"{n} {s}" for s, n in order)
 
 
 def _href(target: Path, out: Path) -> str:
@@ -118,10 +128,7 @@ def timeline_html(d, verdicts: dict, out: Path) -> str:
             inner = "".join(f"<tr>{_alert_cells(a)}</tr>" for a in g[1:MAX_LISTED + 1])
             if len(g) - 1 > MAX_LISTED:
                 inner += f"<tr><td colspan='7'>... {len(g) - 1 - MAX_LISTED} more</td></tr>"
-            by = {}
-            for a in g[1:]:
-                by[a.get("severity")] = by.get(a.get("severity"), 0) + 1
-            count = ", ".join(f"{n} {s}" for s, n in sorted(by.items(), key=lambda x: -SEVERITY_RANK.get(x[0], 0)))
+            count = _by_severity(g[1:])
             rows.append(f"<tr><td></td><td colspan='8'><details><summary>{len(g) - 1} "
                         f"consequence(s): {_e(count)}</summary><table>{inner}</table></details>"
                         f"</td></tr>")
@@ -173,12 +180,9 @@ def run_html(d) -> str:
 
 
 def summary_html(d) -> str:
-    sev = {}
-    for a in d.alerts:
-        sev[a.get("severity")] = sev.get(a.get("severity"), 0) + 1
     steps = sorted(set(d.loss) | set(d.grad_norm))
     span = f"steps {steps[0]}..{steps[-1]}" if steps else "no loss or gradient-norm records"
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(sev.items(), key=lambda x: -SEVERITY_RANK.get(x[0], 0)))
+    counts = _by_severity(d.alerts)
     return (f"<p>{_e(span)}; {len(d.alerts)} alert(s){': ' + _e(counts) if counts else ''}; "
             f"{len(_groups(d.alerts))} incident(s).</p>")
 
@@ -208,9 +212,11 @@ def notes_html(d) -> str:
     others = [f for f in d.formats_in_stats if not any(f in v for v in d.formats.values())]
     if others:
         notes.append(f"fractions are also recorded for {', '.join(others)}: --formats to show them")
-    left = [r for r in d.roles_in_stats if r not in d.grids and not r.startswith(("drift.", "shadow"))]
+    left = [r for r in d.roles_in_stats
+            if r not in d.grids and not r.startswith(("drift.", "shadow"))]
     if left:
-        notes.append("roles not drawn: " + ", ".join(left[:12]) + (", ..." if len(left) > 12 else "")
+        notes.append("roles not drawn: " + ", ".join(left[:12])
+                     + (", ..." if len(left) > 12 else "")
                      + " (--roles to choose)")
     return "<ul class='note'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
 

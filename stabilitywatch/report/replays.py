@@ -103,7 +103,8 @@ def verdict_text(rep: dict) -> tuple[str, str]:
         words.append(sub["verdict"])
     if isinstance(first, str) and first:
         fd = rep.get("first_divergent")
-        role = fd.get("tensor") if isinstance(fd, dict) and isinstance(fd.get("tensor"), str) else ""
+        role = fd.get("tensor") if isinstance(fd, dict) else None
+        role = role if isinstance(role, str) else ""
         where = f"{first} ({role})" if role else first
         if not isinstance(v, dict):   # a verdict object names it already
             words.append(f"first divergent module: {where}")
