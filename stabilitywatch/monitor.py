@@ -271,7 +271,7 @@ class Monitor:
         """Read the parameter gradients now, as the optimizer pre-step tap does: for trainers
         whose optimizer.step(closure) runs the backward inside the step, after that tap."""
         if self._step is not None and self.optimizer is not None:
-            self.taps._grads_before_step(self.optimizer, (), {})
+            self.taps.read_grads(self.optimizer)
 
     @property
     def sampling(self) -> bool:

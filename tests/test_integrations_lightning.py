@@ -249,3 +249,45 @@ def test_no_host_sync_in_the_callback(tmp_path, monkeypatch):
         trainer.fit(model, loader(6))
     assert not calls and not cb._failed
     assert cb.monitor.frames_seen == 3
+
+
+class NaNGrad(L.Callback):
+    """Writes a NaN into net.0's weight gradient after the backward of optimizer step `at`, and
+    keeps the weight before and after every optimizer step."""
+
+    def __init__(self, at):
+        self.at, self.before, self.after = at, {}, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at:
+            pl_module.net[0].weight.grad[0, 0] = float("nan")
+        self.before[trainer.global_step] = pl_module.net[0].weight.detach().clone()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step - 1] = pl_module.net[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_sentinel_and_guard_after_the_closure(tmp_path, fused):
+    """The backward runs inside optimizer.step(closure), after the optimizer's pre-step hook:
+    the sentinel and the guard run when the callback reads the gradients, so a NaN gradient on
+    an unsampled step is named at that step and the guard skips it."""
+    cb = StabilityWatchCallback(config=sw.Config(every=10, warmup=0, sinks=("jsonl",),
+                                                 on_nonfinite="skip", capture=()),
+                                run_dir=tmp_path / "sw")
+    inject = NaNGrad(3)
+
+    class Model(Tiny):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=fused)
+
+    torch.manual_seed(0)
+    trainer = trainer_for(tmp_path, [inject, cb], steps=6)
+    trainer.fit(Model(), loader(6))
+    crit = [a for a in cb.monitor.alerts if a.severity == sw.Severity.CRITICAL]
+    assert crit, cb.monitor.alerts
+    assert (crit[0].step, crit[0].module, crit[0].tensor) == (3, "net.0", "grad")
+    assert crit[0].extra.get("skipped") is True
+    assert torch.equal(inject.before[3], inject.after[3])          # step 3 moved nothing
+    assert not torch.equal(inject.before[4], inject.after[4])      # step 4 trained
+    assert torch.isfinite(inject.after[5]).all()

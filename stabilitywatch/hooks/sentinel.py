@@ -71,10 +71,15 @@ class SentinelTap:
         self.written = self.notified = False
 
     def before_step(self, opt) -> None:
-        """The optimizer's pre-step hook (the taps call it before their own gradient reads)."""
-        if self.active():
-            self._write()
-            self._notify(opt)
+        """The optimizer's pre-step hook (the taps call it before their own gradient reads).
+        With no gradient yet (a trainer whose step(closure) runs the backward inside step()),
+        the write and the guard wait for the trainer's next call (Monitor.observe_grads), or
+        for the step end."""
+        if self.active() and not self.notified:
+            if not self.written:
+                self._write()
+            if self.written:
+                self._notify(opt)
 
     def after_step(self, opt) -> None:
         for fn in self.after_step_fns:

@@ -202,16 +202,27 @@ class Taps:
         return _eager(hook)
 
     def _grads_before_step(self, opt, args, kwargs):
-        if self.sentinel is not None:
-            self.sentinel.before_step(opt)
         if self.update is not None:
             self._guard("update taps", self.update.before, opt)
+        # torch passes step()'s own positional arguments, the optimizer first
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.read_grads(opt)
+        # else step(closure) runs the backward after this hook (Lightning, LBFGS): the gradients
+        # here are the last step's; Monitor.observe_grads (the trainer integrations) or the
+        # step end reads this step's
+        return None
+
+    def read_grads(self, opt) -> None:
+        """The sentinel and the gradient rows: from the optimizer's pre-step hook, and again from
+        Monitor.observe_grads for trainers whose step(closure) runs the backward after it."""
+        if self.sentinel is not None:
+            self.sentinel.before_step(opt)
         if not self.is_on(Role.GRAD):
-            return None
+            return
         items = [(p.grad.detach(), name, role) for (name, _, p), role
                  in zip(self.params, self._roles[1]) if p.grad is not None]
         self._guard("gradient taps", self.record_many, items, Phase.GRAD, True)
-        return None
 
     def _optim_state(self, opt, args, kwargs):
         if self.sentinel is not None:
