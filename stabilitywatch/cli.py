@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the same training without the monitor (for overhead timing)")
     from .capture.cli_verbs import add_parsers as add_capture_parsers
     add_capture_parsers(sub)  # replay, inspect
+    from .report.cli import add_parser as add_report_parser
+    add_report_parser(sub)
     return p
 
 
@@ -61,6 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.cmd in ("replay", "inspect"):
             from .capture.cli_verbs import run as run_capture_verb
             return run_capture_verb(args)
+        if args.cmd == "report":
+            from .report.cli import run as run_report
+            return run_report(args)
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
