@@ -299,7 +299,7 @@ def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
     if interpreting:  # few, wide programs; 8192-element tiles like the interpreter's blocks
         return 8192 // (256 * v), 256, v
     # two 16-byte loads per thread and tile for float32 and bf16, one for fp8: measured fastest
-    # on the H200 (benchmarks/RESULTS.md, "Statistics kernel speed")
+    # on the H200 (docs/kernels.md, "Loads, grid and registers")
     rows = u if isinstance(u, int) else 1 if v == 16 else 2
     return rows, 32 * num_warps, v
 

@@ -346,14 +346,13 @@ def _triton_launch(fn, consts: dict, warps: int, opts: dict):
 
 
 _PLANS: dict = {}
-# fp8's byte-count pass (tile_fp8.py) from 1 MiB of full tiles: since its epilogue sums the row's
-# histogram before the atomics (session 6) it takes 10.0 us at 1 MiB against the value pass's
-# 10.2, 17.2 against 22.7 at 8 MiB, 24.7 against 58.0 at 32 MiB (benchmarks/RESULTS.md). Scaled
-# fp8 always takes it (the fast pass is for scale 1 only).
+# fp8's byte-count pass (tile_fp8.py) from 1 MiB of full tiles: with its epilogue summing the
+# row's histogram before the atomics it is the faster pass from there (docs/kernels.md, "The fp8
+# byte pass"). Scaled fp8 always takes it (the fast pass is for scale 1 only).
 FP8_BYTES_MIN = 1 << 20
-# Tiles ahead for the L2 prefetch: 4 for fp8's byte-count pass and bf16, 2 for the others. bf16
-# took 4 once its table loads were grouped ahead of its atomics (session 9: 191-192 us against
-# 198 at 512 MiB; float32 slower with 4, 192 against 160; benchmarks/RESULTS.md).
+# Tiles ahead for the L2 prefetch: 4 for fp8's byte-count pass and bf16 (its table loads grouped
+# ahead of its atomics), 2 for the others, where 4 is slower (docs/kernels.md, "Loads, grid and
+# registers").
 PREFETCH_AHEAD = {True: 4, False: 2}
 
 

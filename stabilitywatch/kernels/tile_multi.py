@@ -72,10 +72,9 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
 
 
 # Tiles per program in a multi-tensor launch (tile_programs). Each program zeroes and reads back
-# its lane histogram (32 KiB; 43.25 KiB with the threshold table since session 11): with 8 tiles
-# (32 KiB of float32) that was as much as its data.
-# GPT-2 small's weights on the H200 (session 9, benchmarks/RESULTS.md): float32 474 MiB 206.7
-# us with 8, 157.6 with 32, 153.6 with 64; bf16 237 MiB 123.0, 101.1, 108.3.
+# its lane histogram and threshold table (43.25 KiB): with 8 tiles (32 KiB of float32) that is
+# more than its data. GPT-2 small's weights on the H200, by tiles per program:
+# docs/kernels.md, "Multi-tensor launches" (benchmarks/RESULTS.md, "Multi-tensor launch").
 TILES_PER_PROG = 32
 
 

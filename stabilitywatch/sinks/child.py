@@ -2,7 +2,8 @@
 
 Formatting and writing a frame of statistics is ~10 ms (JSONL) to ~125 ms (TensorBoard) of
 Python per 608-row frame; on the sink's thread it holds the GIL that the training thread takes
-back after every PyTorch call (benchmarks/RESULTS.md). The JSONL and TensorBoard sinks hand the
+back after every PyTorch call (benchmarks/RESULTS.md, "Host time per processed frame, and the
+sinks"). The JSONL and TensorBoard sinks hand the
 values to a process of their own (jsonl_writer.py, tb_writer.py, both on child_loop.py).
 
 Messages: 4 bytes of length (little-endian) and a pickle. Replies, one line each: "ok" (or

@@ -1,7 +1,8 @@
 """The JSONL sink's writer process: `python -I jsonl_writer.py STATS_PATH`.
 
-Formatting a frame's ~21,000 floats takes ~10 ms of CPU; on the sink's thread it held the GIL
-that every PyTorch call of the training thread takes back (benchmarks/RESULTS.md, session 3).
+Formatting a frame's ~21,000 floats takes ~10 ms of CPU; on the sink's thread it would hold the
+GIL that every PyTorch call of the training thread takes back (benchmarks/RESULTS.md, "Host
+time per processed frame, and the sinks").
 Here it runs in its own process, which imports nothing but the standard library and the modules
 beside it (jsonl_lines.py, line_file.py, child_loop.py; not the package, not torch).
 
