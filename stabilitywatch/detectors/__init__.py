@@ -5,6 +5,7 @@ from ..config import Config
 from .base import Cooldown, Detector
 from .drift import DriftDetector
 from .nonfinite import NonFiniteDetector
+from .physics import PhysicsDetector
 from .range import RangeDetector
 from .shadow import ShadowDetector
 from .spike import SpikeDetector
@@ -12,13 +13,16 @@ from .spike import SpikeDetector
 _EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
 
 
-def build_detectors(config: Config) -> list[Detector]:
-    """The always-on detectors (nonfinite, overflow/underflow), then those of
-    `config.detectors`, in the order they run on each frame."""
+def build_detectors(config: Config, optimizer=None, modules=()) -> list[Detector]:
+    """The always-on detectors (nonfinite, overflow/underflow, and with an optimizer the
+    physics of weight updates), then those of `config.detectors`, in the order they run on
+    each frame."""
     dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
                             RangeDetector(config)]
+    if optimizer is not None:
+        dets.append(PhysicsDetector(config, optimizer, list(modules)))
     return dets + [_EXTRA[name](config) for name in config.detectors]
 
 
-__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "RangeDetector",
+__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "PhysicsDetector", "RangeDetector",
            "ShadowDetector", "SpikeDetector", "build_detectors"]

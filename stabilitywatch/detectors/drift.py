@@ -160,7 +160,8 @@ class DriftDetector(Detector):
                 out.append((i, Alert(step=frame.step, detector=self.name, severity=sev,
                                      module=module, tensor=role, stat=f"log2_{stat}", value=dj,
                                      threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
-                                     extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj})))
+                                     extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj,
+                                            "bits": dj, "change_point": True})))
                 gp[j] = gn[j] = 0.0
             r.gp[e], r.gn[e] = gp, gn
         r.push(series, x)

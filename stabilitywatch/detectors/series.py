@@ -36,14 +36,20 @@ class Window:
                 self.baseline = float(np.median(self.early))
 
     def noise(self) -> tuple[float, float]:
-        """(median, step-to-step noise): 1.4826 * MAD of successive differences / sqrt(2). A
-        trend (a loss going down) does not inflate it the way a MAD about the median does."""
+        """(median, step-to-step noise): 1.4826 * MAD of the successive differences about their
+        median, / sqrt(2). A trend (a loss going down) shifts the differences without spreading
+        them, so it does not inflate the noise the way a MAD about the median does."""
         a = list(self.values)
         med = _median(a)
         if len(a) < 3:
             return med, 0.0
-        diffs = [abs(b - c) for b, c in zip(a[1:], a[:-1])]
-        return med, MAD_TO_SIGMA * _median(diffs) / math.sqrt(2.0)
+        diffs = [b - c for b, c in zip(a[1:], a[:-1])]
+        dm = _median(diffs)
+        return med, MAD_TO_SIGMA * _median([abs(d - dm) for d in diffs]) / math.sqrt(2.0)
+
+    def recent(self, k: int) -> float:
+        """Median of the last k values: the series' current level while it trends."""
+        return _median(list(self.values)[-k:])
 
 
 def _median(values: list) -> float:
