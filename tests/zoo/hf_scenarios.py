@@ -155,7 +155,7 @@ def _run(name, arch, fault, expect, run_dir, steps, **kw) -> HFRun:
 
 
 # -- the faults -----------------------------------------------------------------------------------
-def weight_jump(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
+def weight_jump(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
     """A weight multiplied by 1e4 at step start (a bad write): no optimizer moves it that far."""
     name = TARGET[arch]["mlp_in"]
 
@@ -171,7 +171,7 @@ def weight_jump(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
                 steps, setup=setup)
 
 
-def bit_flip(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
+def bit_flip(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
     """The top exponent bit of one fp32 weight element flipped (|x| < 2 becomes ~1e36-1e38)."""
     name = TARGET[arch]["mlp_out"]
 
@@ -187,7 +187,7 @@ def bit_flip(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
                 (fault, "critical", name, "weight"), run_dir, steps, setup=setup)
 
 
-def backward_nan(run_dir, arch="gpt2", fault=30, steps=36) -> HFRun:
+def backward_nan(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
     """One NaN written into one module's output gradient (a hook); the forward stays finite."""
     name = TARGET[arch]["attn_out"]
 
@@ -212,7 +212,7 @@ def backward_nan(run_dir, arch="gpt2", fault=30, steps=36) -> HFRun:
                 (fault, "critical", name, "grad_output"), run_dir, steps, setup=setup)
 
 
-def forward_inf(run_dir, arch="gpt2", fault=30, steps=36) -> HFRun:
+def forward_inf(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
     """One element of a module's output set to +Inf in the forward."""
     name = TARGET[arch]["mlp_in"]
 
@@ -233,7 +233,7 @@ def forward_inf(run_dir, arch="gpt2", fault=30, steps=36) -> HFRun:
                 run_dir, steps, setup=setup)
 
 
-def lr_blowup(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
+def lr_blowup(run_dir, arch="gpt2", fault=30, steps=33) -> HFRun:
     """The learning rate x1000 from step `fault` on (a scheduler bug): the update of step
     `fault` wrecks the weights, the next step's loss spikes."""
     def setup(model, opt):
@@ -246,7 +246,7 @@ def lr_blowup(run_dir, arch="gpt2", fault=30, steps=45) -> HFRun:
                 steps, setup=setup)
 
 
-def bad_batch(run_dir, arch="gpt2", fault=30, steps=40) -> HFRun:
+def bad_batch(run_dir, arch="gpt2", fault=30, steps=31) -> HFRun:
     """One batch of uniform random tokens (a corrupt shard) in a learnt language."""
     data = lm_data()
 
@@ -262,7 +262,7 @@ def bad_batch(run_dir, arch="gpt2", fault=30, steps=40) -> HFRun:
                 run_dir, steps, batch_at=batch_at, model=model, opt=opt)
 
 
-def fp16_growth(run_dir, arch="gpt2", fault=20, steps=60) -> HFRun:
+def fp16_growth(run_dir, arch="gpt2", fault=20, steps=52) -> HFRun:
     """From step `fault` one MLP input projection's output grows x1.6 per step (judged as fp16,
     `formats={"output": "fp16"}`): it passes 65504 around step fault + 21."""
     name = TARGET[arch]["mlp_in"]
@@ -283,7 +283,7 @@ def fp16_growth(run_dir, arch="gpt2", fault=20, steps=60) -> HFRun:
                 run_dir, steps, setup=setup, config=cfg)
 
 
-def attention_logit_growth(run_dir, arch="gpt2", fault=20, steps=100) -> HFRun:
+def attention_logit_growth(run_dir, arch="gpt2", fault=20, steps=42) -> HFRun:
     """GPT-2 with its attention scores tapped (`sw.LogitsTap("attention")` through a registered
     attention function). From step `fault` the query and key weights of the first block are
     pushed away from zero through their gradient (an anti-weight-decay term of the size of the
