@@ -15,6 +15,7 @@ from .formats import ROW_FORMATS, Fmt
 from .config_detectors import validate_detector_fields
 from .config_incidents import validate_incident_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
+from .config_sentinel import validate_sentinel_fields
 
 
 class Role(str, enum.Enum):
@@ -235,6 +236,26 @@ class Config:
     dist_timeout: float = 300.0
     """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
     writing per-rank files."""
+    # -- sentinel, escalation and guard (README "Every step: the sentinel, escalation and the
+    # guard"); checked in config_sentinel.py
+    sentinel: bool = True
+    """Every step, before the optimizer step, read every watched parameter gradient once (one
+    multi-tensor launch): its NaN/Inf count, largest finite |x| and sum of squares."""
+    escalate_steps: int = 20
+    """A tripped sentinel or a warning-or-worse alert switches the next this-many steps to full
+    sampling (every role); 0 = off. Multi-rank runs escalate on the cross-rank sentinel flag."""
+    on_nonfinite: str = "warn"
+    """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
+    (fused torch.optim optimizers; others: one host check per step), see stabilitywatch/guard.py."""
+    update_stats: bool = True
+    """On sampled steps that read weights, the optimizer update ||dW|| / ||W|| per module
+    (role `update`, stat `update_ratio`), judged by the `update` detector."""
+    update_spike_bits: float = 3.0
+    """Update detector: warning when log2(update ratio) is this many bits above its median over
+    the last `update_window` samples (and above the median's noise)."""
+    update_window: int = 50
+    update_min_history: int = 8
+    """Samples of a module's update ratio before it is judged."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -302,6 +323,7 @@ class Config:
         for k, v in _capture_policy.validate(self).items():  # -- capture
             set_(k, v)
         validate_dist_fields(self, set_)  # -- distributed
+        validate_sentinel_fields(self, set_)  # -- sentinel, escalation and guard
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod

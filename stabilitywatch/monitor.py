@@ -22,9 +22,11 @@ from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
+from .escalation import SentinelControl
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
+from .hooks.sentinel import SentinelTap
 from .hooks.taps import Taps, _eager
 from .incidents import Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
@@ -95,6 +97,14 @@ class Monitor:
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
+        # every step: non-finite count, absmax and sum of squares of every gradient
+        self.sentinel = SentinelTap(self.taps.params, self.buffer.sentinel,
+                                    lambda: (config.sentinel and self._step is not None
+                                             and not self.extras.running),
+                                    self.dist.local, optimizer=optimizer is not None)
+        self.taps.sentinel = self.sentinel
+        # the step's flag (cross-rank), the guard, escalation (escalation.py)
+        self.control = SentinelControl(self)
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -185,6 +195,7 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
+        self.sentinel.begin()
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
@@ -197,6 +208,7 @@ class Monitor:
             self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
 
     def _end(self) -> None:
+        self.sentinel.at_end()
         try:
             self.buffer.end_step()
         except Exception as e:
@@ -265,7 +277,9 @@ class Monitor:
     def _process(self, block: bool) -> None:
         # once per step end (block=False) and at close: the coordinator decides, identically on
         # every rank, when the frames go through the cross-rank collective
-        for frame in self.dist.frames(self.buffer, final=block):
+        frames = self.dist.frames(self.buffer, final=block)
+        self.control.on_polled()
+        for frame in frames:
             self.frames_seen += 1
             try:
                 self._handle(frame)
@@ -274,6 +288,8 @@ class Monitor:
                                 f"({type(e).__name__}: {e})")
 
     def _handle(self, frame: StatsFrame) -> None:
+        if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
+            frame.sentinel = self.buffer.sentinel_of(frame.step)
         # change points are evidence for incidents, not alerts of their own: no cooldown
         alerts = [a for det in self.detectors for a in det.check(frame)
                   if is_change_point(a) or self.cooldown.allow(a)]
@@ -281,6 +297,7 @@ class Monitor:
         # incidents: roots first (the order sinks receive is alerts.jsonl's file order); change
         # points in no incident go to stats.jsonl
         alerts, changes = self.incidents.group(frame, alerts)
+        alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
             alerts = self.capture.on_frame(frame, alerts)
         for a in alerts:
@@ -295,13 +312,19 @@ class Monitor:
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
+        if self.schedule.escalated(frame.step):
+            base["escalated"] = True
         recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
                 for i, (m, r) in enumerate(frame.keys)]
         grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
                    if r == "grad" or r.startswith("grad.")]
-        if grad_sq:
-            recs.append({**base, "module": "", "tensor": "grad_norm",
-                         "stats": {"l2norm": math.sqrt(sum(grad_sq))}})
+        sent = frame.sentinel
+        if grad_sq or sent is not None:
+            # the gradient rows on steps that read them, else the sentinel (every step)
+            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
+            if sent is not None:
+                norm["nonfinite"] = sent.nonfinite_total
+            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
         return recs + shadow_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:

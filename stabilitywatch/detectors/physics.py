@@ -7,7 +7,8 @@ optimizer steps s0 .. s1-1 lie between them) every element moved at most
   the default betas);
 - SGD: lr * (|g| + weight_decay * absmax), with momentum mu the buffer's absmax at s0 decayed
   plus (1 - dampening) / (1 - mu) times the gradients', so the gradient's absmax must have been
-  read on every step in between (every step sampled, or the frames' sentinel);
+  read on every step in between (the every-step sentinel, `frame.sentinel`, or every step
+  sampled);
 and a tensor's max and min move by no more than its largest element does. A max or min that
 moved more than `weight_update_margin` times that bound was written by something other than the
 optimizer: a bad write or silent data corruption (critical, stat `update_bound`). The learning
@@ -53,6 +54,14 @@ def _lr(group) -> Optional[float]:
     return lr if math.isfinite(lr) and lr >= 0 else None
 
 
+def _put(store: dict, key, step: int, value: float, keep: int = 64) -> None:
+    d = store.setdefault(key, {})
+    d[step] = max(value, d.get(step, 0.0))
+    if len(d) > keep:
+        for s in sorted(d)[:-keep]:
+            del d[s]
+
+
 def adam_bound(betas) -> Optional[float]:
     """The most |m / sqrt(v)| can be for any gradient sequence (None when b1^2 >= b2)."""
     try:
@@ -81,6 +90,7 @@ class PhysicsDetector(Detector):
                 seen.add(id(p))
                 self.params[(name, param_role(pname, "weight"))] = (group_of[id(p)],
                                                                    param_role(pname, "grad"))
+        self._by_grad = {(m, g): (m, r) for (m, r), (_, g) in self.params.items()}
         self._last: dict[tuple[str, str], tuple[int, float, float, float]] = {}
         self._lrs: deque = deque(maxlen=4096)                 # (step, per-group lr)
         self._grads: dict[tuple[str, str], dict[int, float]] = {}   # SGD: step -> grad absmax
@@ -113,6 +123,12 @@ class PhysicsDetector(Detector):
         return out
 
     def _remember(self, frame, rows) -> None:
+        sent = getattr(frame, "sentinel", None)
+        if sent is not None:   # every step: each gradient's absmax, read before the update
+            for j, gkey in enumerate(sent.keys):
+                key = self._by_grad.get(tuple(gkey))
+                if key is not None and sent.present[j] and sent.nonfinite[j] == 0:
+                    _put(self._grads, key, frame.step, float(sent.absmax[j]))
         for key, (_, grole) in self.params.items():
             module, role = key
             # a parameter's role is its name (weight, bias...): param_role maps names
@@ -120,11 +136,7 @@ class PhysicsDetector(Detector):
                              (self._bufs, param_role(role, "optim.momentum_buffer"))):
                 i = rows.get((module, r))
                 if i is not None:
-                    d = store.setdefault(key, {})
-                    d[frame.step] = float(frame.rows[i][Stat.ABSMAX])
-                    if len(d) > 64:
-                        for s in sorted(d)[:-64]:
-                            del d[s]
+                    _put(store, key, frame.step, float(frame.rows[i][Stat.ABSMAX]))
 
     def _lr_max(self, gi: int, s0: int) -> Optional[float]:
         best = None

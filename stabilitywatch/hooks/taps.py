@@ -62,6 +62,8 @@ class Taps:
         self.traced = traced
         self.handles: list = []
         self._failed: set[str] = set()
+        # the every-step gradient sentinel (hooks/sentinel.py), set by the Monitor
+        self.sentinel = None
         # (module, role) -> its gradient hook, made once: wrapping a function for eager running
         # (torch._dynamo.disable) costs ~0.3-0.6 ms of host time, and the forward hook registers
         # one gradient hook per output on every sampled step
@@ -81,6 +83,8 @@ class Taps:
     # -- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
         try:
+            if self.sentinel is not None:
+                self.sentinel.attach()
             for name, mod in self.modules:
                 self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
             if self.optimizer is not None:
@@ -96,6 +100,8 @@ class Taps:
             raise
 
     def detach(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.detach()
         while self.handles:
             h = self.handles.pop()
             try:
@@ -194,6 +200,8 @@ class Taps:
         return _eager(hook)
 
     def _grads_before_step(self, opt, args, kwargs):
+        if self.sentinel is not None:
+            self.sentinel.before_step(opt)
         if not self.is_on(Role.GRAD):
             return None
         items = [(p.grad.detach(), name, role) for (name, _, p), role
@@ -202,6 +210,8 @@ class Taps:
         return None
 
     def _optim_state(self, opt, args, kwargs):
+        if self.sentinel is not None:
+            self.sentinel.after_step(opt)
         if not self.is_on(Role.OPTIM):
             return None
         items = []

@@ -17,6 +17,8 @@ import torch
 from ..kernels.dispatch import accumulate, accumulate_many, batchable, tileable, viewable
 from .derive import derive_many
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
+from .sentinel import SentinelFrame
+from .sentinel_store import SentinelPending, SentinelStore
 
 
 _UNSEEN = 1 << 30  # sequence number of rows written by compiled code (order unknown)
@@ -43,6 +45,9 @@ class StatsFrame:
     phases: list[int]
     rank: int = 0
     world_size: int = 1
+    # every parameter gradient's non-finite count, absmax and sum of squares, in backward
+    # order (stats/sentinel.py); None when no gradient was read this step
+    sentinel: Optional[SentinelFrame] = None
     _derived: dict = field(default_factory=dict, repr=False)
 
     def derived(self, i: int) -> dict[str, float]:
@@ -165,6 +170,7 @@ class _Pending:
     step: int
     touched: list[tuple[int, int, int]]                # (phase, seq, slot)
     copies: list[tuple[_DeviceRows, torch.Tensor, Optional[object]]]
+    sentinel: Optional[SentinelPending] = None
 
 
 class StatsBuffer:
@@ -184,6 +190,8 @@ class StatsBuffer:
         self._pending: list[_Pending] = []
         self._step: Optional[int] = None
         self._plans: dict = {}            # (phase, overwrite) -> _ManyPlan
+        self.sentinel = SentinelStore(backend)
+        self._recent: dict[int, SentinelFrame] = {}   # step -> sentinel of recently read frames
 
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -276,7 +284,8 @@ class StatsBuffer:
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
-        if self._step is None or not (self._touched or self._untracked):
+        sent = self.sentinel.end_step(self._step) if self._step is not None else None
+        if self._step is None or not (self._touched or self._untracked or sent):
             self._step = None
             return
         touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
@@ -303,7 +312,7 @@ class StatsBuffer:
                 host[lo:hi].copy_(both)
                 ev = None
             copies.append((dev, host, ev))
-        self._pending.append(_Pending(self._step, touched, copies))
+        self._pending.append(_Pending(self._step, touched, copies, sent))
         self._step = None
         self._touched = {}
 
@@ -320,11 +329,14 @@ class StatsBuffer:
         frames = []
         while self._pending and (limit is None or len(frames) < limit):
             p = self._pending[0]
-            if not block and not all(ev is None or ev.query() for _, _, ev in p.copies):
+            if not block and not (all(ev is None or ev.query() for _, _, ev in p.copies)
+                                  and (p.sentinel is None or p.sentinel.ready())):
                 break
             for _, _, ev in p.copies:
                 if ev is not None:
                     ev.synchronize()
+            if p.sentinel is not None:
+                p.sentinel.wait()
             self._pending.pop(0)
             frames.append(self._frame(p, rank, world_size))
         return frames
@@ -344,9 +356,19 @@ class StatsBuffer:
             if host.shape[0] == dev.rows.shape[0]:
                 dev.pinned_pool.append(host)
         table = np.array(rows, dtype=np.float64).reshape(len(rows), N_STATS)
+        sent = self.sentinel.frame(p.sentinel) if p.sentinel is not None else None
+        if sent is not None:
+            self._recent[p.step] = sent
+            while len(self._recent) > 64:
+                self._recent.pop(next(iter(self._recent)))
         return StatsFrame(step=p.step, keys=[self.keys[s] for _, s in keep], rows=table,
                           scales=scales, phases=[ph for ph, _ in keep], rank=rank,
-                          world_size=world_size)
+                          world_size=world_size, sentinel=sent)
+
+    def sentinel_of(self, step: int) -> Optional[SentinelFrame]:
+        """The sentinel of a recently read step (frames merged across ranks are built anew and
+        carry none: the monitor finds this rank's here)."""
+        return self._recent.get(step)
 
     def _spans(self, touched) -> dict:
         # device -> (lo, hi): the span of the given slots' rows on each device

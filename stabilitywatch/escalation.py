@@ -1,0 +1,101 @@
+"""What the Monitor does with the sentinel beyond the frame: the step's device flag (reduced
+across ranks under torch.distributed), the guard that skips a non-finite step, and escalation
+(full sampling for a window after a tripped sentinel or a warning-or-worse alert).
+
+Ranks must escalate on the same step. Under the lockstep coordinator every rank reads the same
+step ends' frames at the same flush, and each frame's sentinel carries the cross-rank flag
+(the same value everywhere): escalation follows that flag alone there, not alerts (rank 0
+decides those alone). Multi-rank runs without lockstep flushes do not escalate (logged).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+
+from .alert import Alert, Severity
+from .guard import CrossRankFlag, Guard
+
+log = logging.getLogger("stabilitywatch")
+
+
+class SentinelControl:
+    def __init__(self, monitor: Any):
+        self.mon = mon = monitor
+        cfg = mon.config
+        self.store = mon.buffer.sentinel
+        self.guard: Optional[Guard] = None
+        if cfg.on_nonfinite == "skip":
+            if mon.optimizer is None:
+                log.warning("stabilitywatch: on_nonfinite='skip' needs the optimizer passed to "
+                            "watch(); without it no step is skipped")
+            else:
+                self.guard = Guard(mon.optimizer)
+                if not self.guard.fused:
+                    log.info("stabilitywatch: the guard reads its flag on the host once per step "
+                             "(%s is not a fused torch.optim optimizer)",
+                             type(self.guard.opt).__name__)
+        self.multi = mon.world_size > 1
+        self.lockstep = bool(getattr(mon.dist, "active", False))
+        self.escalate = cfg.escalate_steps > 0 and cfg.sentinel
+        if self.multi and self.escalate and not self.lockstep:
+            self.escalate = False
+            log.warning("stabilitywatch: escalation is off in this multi-rank run: without "
+                        "lockstep flushes (dist_mode='per_rank' and dist_divergence=False) the "
+                        "ranks could not switch on the same step")
+        elif self.multi and self.escalate:
+            log.info("stabilitywatch: multi-rank run: escalation follows the cross-rank "
+                     "gradient flag (alerts are decided on one rank and do not escalate)")
+        self.xrank: Optional[CrossRankFlag] = None
+        if self.multi and cfg.sentinel and (self.guard is not None or self.escalate):
+            self.xrank = CrossRankFlag()
+        self._device = next((p.device for _, _, p in mon.taps.params), torch.device("cpu"))
+        self._was_tripped = False
+        mon.sentinel.after_write.append(self._after_write)
+        if self.guard is not None:
+            mon.sentinel.after_step_fns.append(lambda opt: self.guard.after_step())
+
+    # -- hot path ------------------------------------------------------------------------------
+    def _after_write(self, opt, written: bool) -> None:
+        if self.xrank is None and (self.guard is None or opt is None):
+            return
+        if written:
+            flag = self.store.flag(self._device)
+        else:
+            flag = torch.zeros((), dtype=torch.float32, device=self._device)
+        if self.xrank is not None:
+            flag = self.xrank.reduce(flag)
+            self.store.set_reduced_flag(flag)
+        if self.guard is not None and opt is not None:
+            self.guard.before_step(flag, self.mon._step)
+            self.store.guarded = True
+
+    # -- off the hot path ----------------------------------------------------------------------
+    def on_polled(self) -> None:
+        """After each read of frames: escalate on a sentinel that went from clean to tripped."""
+        for sent in self.store.drain_read():
+            tripped = bool(sent.any_rank_bad) if self.multi else sent.tripped
+            if tripped and not self._was_tripped and self.escalate:
+                self._escalate(f"non-finite gradients at step {sent.step}")
+            self._was_tripped = tripped
+
+    def on_alerts(self, frame, alerts: list[Alert]) -> list[Alert]:
+        sent = frame.sentinel
+        if sent is not None and sent.skipped:
+            note = ("; step skipped by the guard: its update was not applied (weights and "
+                    "optimizer state after it are those of its start)")
+            alerts = [dataclasses.replace(a, message=a.message + note,
+                                          extra={**a.extra, "skipped": True}) for a in alerts]
+        if self.escalate and not self.multi:
+            worst = max(alerts, key=lambda a: a.severity.rank, default=None)
+            if worst is not None and worst.severity.rank >= Severity.WARNING.rank:
+                self._escalate(f"{worst.detector} {worst.severity.value} at step {worst.step} "
+                               f"({worst.module or '<model>'} {worst.tensor})")
+        return alerts
+
+    def _escalate(self, why: str) -> None:
+        if self.mon.schedule.escalate(why):
+            log.info("stabilitywatch: escalation: the next %d steps read every role (%s)",
+                     self.mon.config.escalate_steps, why)

@@ -1,0 +1,103 @@
+"""The guard (opt-in, `Config(on_nonfinite="skip")`): a step whose gradients are not finite is
+skipped, and the cross-rank flag that decides it.
+
+The decision comes from the sentinel (stats/sentinel_store.py), on the device: `flag` is a
+float32 0-dim tensor, 1.0 when a watched gradient holds NaN/Inf. Under torch.distributed it is
+reduced across ranks first (all_reduce MAX, async: on NCCL the wait is a stream wait, not a
+host wait), so every rank skips the same step; the same reduced flag drives escalation there.
+
+- Fused optimizers (torch.optim Adam, AdamW, SGD, Adagrad with fused=True: those that set
+  `_step_supports_amp_scaling`) read `optimizer.found_inf` in step(), as they do for GradScaler:
+  a set flag makes the fused kernel leave parameters and state untouched and the `step` count
+  is taken back. No host sync. A GradScaler's own found_inf is combined (max) with ours and put
+  back after the step.
+- Any other optimizer: the flag is read on the host (one sync per step, only there) and, when
+  set, every parameter's gradient is set to None before step() runs: torch optimizers skip
+  parameters without a gradient, so nothing moves (the loop's zero_grad() after it is a no-op).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("stabilitywatch")
+
+_NO_PREV = object()
+
+
+def inner_optimizer(opt):
+    """The torch.optim optimizer whose step() runs (through wrappers such as Accelerate's)."""
+    seen = 0
+    while not hasattr(opt, "_step_supports_amp_scaling") and seen < 4:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        opt, seen = inner, seen + 1
+    return opt
+
+
+def is_fused(opt) -> bool:
+    opt = inner_optimizer(opt)
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in opt.param_groups)
+
+
+class CrossRankFlag:
+    """all_reduce(MAX) of the step's flag over the default process group (the job's own: the
+    flag lives on the gradients' device), started async; its wait orders the consumers after
+    it on the device."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+        self.backend = dist.get_backend()
+
+    def reduce(self, flag: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl" and not flag.is_cuda:
+            flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
+        elif self.backend == "gloo" and flag.is_cuda:
+            flag = flag.cpu()   # sync-ok: gloo runs on the host; CUDA jobs use NCCL
+        out = flag.detach().reshape(1).clone()
+        work = self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, async_op=True)
+        work.wait()
+        return out.reshape(())
+
+
+class Guard:
+    def __init__(self, optimizer):
+        self.opt = inner_optimizer(optimizer)
+        self.fused = is_fused(self.opt)
+        self._prev = _NO_PREV
+        self.skipped_host: list[int] = []   # steps the host-side fallback skipped
+
+    def before_step(self, flag: torch.Tensor, step: Optional[int]) -> None:
+        """Called in the optimizer's pre-step hook with this step's (reduced) flag."""
+        if self.fused:
+            devs = {p.device for g in self.opt.param_groups for p in g["params"]}
+            dev = next(iter(devs)) if len(devs) == 1 else flag.device
+            f = flag.detach().to(device=dev, dtype=torch.float32).reshape(())
+            prev = getattr(self.opt, "found_inf", None)
+            self._prev = prev
+            if prev is not None:   # a GradScaler's: both must be clean for the step to run
+                f = torch.maximum(prev.to(f).reshape(()), f).reshape(prev.shape)
+            self.opt.found_inf = f
+            return
+        if float(flag) > 0:   # sync-ok: the documented fallback for non-fused optimizers
+            for g in self.opt.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+            if step is not None:
+                self.skipped_host.append(step)
+
+    def after_step(self) -> None:
+        """The optimizer's post-step hook: the attribute as it was (GradScaler deletes its own)."""
+        if self._prev is _NO_PREV:
+            return
+        prev, self._prev = self._prev, _NO_PREV
+        if prev is None:
+            if hasattr(self.opt, "found_inf"):
+                del self.opt.found_inf
+        else:
+            self.opt.found_inf = prev

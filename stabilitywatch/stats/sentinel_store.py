@@ -1,0 +1,235 @@
+"""Device storage of the every-step gradient sentinel, its launches, and its copy to host memory.
+
+Each step the taps hand over every watched parameter gradient once (`write`, before the
+optimizer step); per device a float64 [rows x 3] tensor takes their sentinel (kernels/sentinel.py
+on CUDA, the pure-torch twin stats/sentinel.py elsewhere); at the step end it goes to pinned
+host memory with a non-blocking copy and a CUDA event, beside the statistics rows, and is read
+with the step's frame one step later. The launches are kept while the gradients keep their
+kinds (sizes, dtypes, order) and only take new addresses when gradients come back elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .sentinel import COLS, DTYPE, SentinelFrame, sentinel_reference
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_module():
+    try:
+        from ..kernels import sentinel
+    except Exception:  # no triton, or one that does not import here
+        return None
+    return sentinel
+
+
+def _use_kernel(device: torch.device, backend: str) -> bool:
+    from ..kernels.dispatch import triton_usable
+    return triton_usable(device, backend) and _kernel_module() is not None
+
+
+class _DevSentinel:
+    def __init__(self, device: torch.device, rows: int):
+        self.device = device
+        self.out = torch.zeros(rows, COLS, dtype=DTYPE, device=device)
+        self.pool: list[torch.Tensor] = []
+
+    def host(self) -> torch.Tensor:
+        if self.pool:
+            return self.pool.pop()
+        return torch.empty(self.out.shape, dtype=DTYPE, pin_memory=self.device.type == "cuda")
+
+
+@dataclass
+class _Plan:
+    shape: tuple
+    addrs: tuple
+    launches: list      # (device, launch, item indices)
+    rest: dict          # device -> (item indices) read by the twin
+
+
+@dataclass
+class SentinelPending:
+    step: int
+    present: np.ndarray
+    numel: np.ndarray
+    copies: list        # (_DevSentinel, host tensor, event or None)
+    flag: Optional[tuple] = None   # (host tensor, event): the cross-rank flag, when reduced
+    guarded: bool = False          # the guard handed the flag to the optimizer step
+
+    def ready(self) -> bool:
+        evs = [ev for _, _, ev in self.copies] + ([self.flag[1]] if self.flag else [])
+        return all(ev is None or ev.query() for ev in evs)
+
+    def wait(self) -> None:
+        evs = [ev for _, _, ev in self.copies] + ([self.flag[1]] if self.flag else [])
+        for ev in evs:
+            if ev is not None:
+                ev.synchronize()
+
+
+class SentinelStore:
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+        self.keys: list[tuple[str, str]] = []   # row i: (module, role) of a gradient
+        self.order: Optional[list[int]] = None  # rows in backward order, once recorded
+        self._dev: dict[torch.device, _DevSentinel] = {}
+        self._plan: Optional[_Plan] = None
+        self._present: Optional[np.ndarray] = None
+        self._flag: Optional[torch.Tensor] = None
+        self.launches = 0                        # steps written (tests, benchmarks)
+        self.guarded = False                     # set by the guard for the step in flight
+        self._read: list[SentinelFrame] = []     # frames read since the last drain_read()
+
+    def set_keys(self, keys: list) -> None:
+        self.keys = list(keys)
+
+    # -- hot path ------------------------------------------------------------------------------
+    def write(self, items: list) -> None:
+        """items: (row, gradient) of every gradient present this step. No host sync."""
+        present = np.zeros(len(self.keys), dtype=bool)
+        numel = np.zeros(len(self.keys), dtype=np.int64)
+        for r, g in items:
+            present[r] = True
+            numel[r] = g.numel()
+        self._present, self._numel = present, numel
+        for d in {g.device for _, g in items}:
+            self._rows_on(d)
+        for d in self._dev.values():
+            d.out.zero_()
+        self.launches += 1
+        plan = self._plan
+        sig = _signature(items)
+        if (sig is not None and plan is not None and plan.shape == sig[0]
+                and (plan.addrs == sig[1] or self._rebind(plan, items, sig[1]))):
+            for device, launch, _ in plan.launches:
+                launch.run(self._dev[device].out)
+            self._twin(items, plan.rest)
+            return
+        self._plan = self._build(items, sig)
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """A float32 0-dim device tensor: 1.0 when a gradient written this step holds NaN/Inf
+        (read on the device, no sync); made from the written rows."""
+        d = self._rows_on(device)
+        return (d.out[:, 0].sum() > 0).to(torch.float32)
+
+    def set_reduced_flag(self, flag: Optional[torch.Tensor]) -> None:
+        """The cross-rank flag of this step (all ranks' gradients), copied with the step."""
+        self._flag = flag
+
+    def end_step(self, step: int) -> Optional[SentinelPending]:
+        """Start the copies of this step's sentinel to host memory; never waits."""
+        if self._present is None:
+            return None
+        copies = []
+        for d in self._dev.values():
+            host = d.host()
+            if d.device.type == "cuda":
+                host.copy_(d.out, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(d.device))
+            else:
+                host.copy_(d.out)
+                ev = None
+            copies.append((d, host, ev))
+        flag = None
+        if self._flag is not None:
+            f = self._flag.detach().reshape(1).to(torch.float32)
+            if f.is_cuda:
+                h = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                h.copy_(f, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(f.device))
+                flag = (h, ev)
+            else:
+                flag = (f.clone(), None)
+        pending = SentinelPending(step, self._present, self._numel, copies, flag,
+                                  self.guarded)
+        self._present, self._flag, self.guarded = None, None, False
+        return pending
+
+    # -- off the hot path ----------------------------------------------------------------------
+    def frame(self, p: SentinelPending) -> SentinelFrame:
+        total = np.zeros((len(self.keys), COLS))
+        for d, host, _ in p.copies:
+            vals = host.numpy()[: len(self.keys)]   # sync-ok: the copy has landed
+            total[:, 0] += vals[:, 0]
+            total[:, 1] = np.maximum(total[:, 1], vals[:, 1])
+            total[:, 2] += vals[:, 2]
+            total[:, 3] += vals[:, 3]
+            if host.shape == d.out.shape:
+                d.pool.append(host)
+        order = self.order if self.order is not None else list(range(len(self.keys)))
+        any_bad = None if p.flag is None else bool(p.flag[0].numpy()[0] > 0)  # sync-ok: landed
+        f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
+                          nonfinite=total[order, 0], absmax=total[order, 1],
+                          sumsq=total[order, 2], present=p.present[order],
+                          nan=total[order, 3], numel=p.numel[order],
+                          ordered=self.order is not None, any_rank_bad=any_bad)
+        f.skipped = p.guarded and f.tripped
+        self._read = self._read[-255:] + [f]
+        return f
+
+    def drain_read(self) -> list:
+        """The sentinels read since the last call, in step order."""
+        out, self._read = self._read, []
+        return out
+
+    # -- plans ---------------------------------------------------------------------------------
+    def _rows_on(self, device: torch.device) -> _DevSentinel:
+        d = self._dev.get(device)
+        if d is None or d.out.shape[0] < len(self.keys):
+            d = self._dev[device] = _DevSentinel(device, max(1, len(self.keys)))
+        return d
+
+    def _build(self, items: list, sig) -> Optional[_Plan]:
+        groups: dict = {}
+        rest: dict = {}
+        for k, (r, g) in enumerate(items):
+            if g.numel() == 0:
+                continue
+            kern = _use_kernel(g.device, self.backend) and _kernel_module().launchable(g)
+            if kern:
+                groups.setdefault((g.device, g.dtype), []).append(k)
+            else:
+                rest.setdefault(g.device, []).append(k)
+        launches = []
+        for (device, _), ks in groups.items():
+            mod = _kernel_module()
+            flats = [_flat(items[k][1]) for k in ks]
+            launch = mod.sentinel_launch(flats, self._dev[device].out, [items[k][0] for k in ks])
+            launches.append((device, launch, ks))
+        self._twin(items, rest)
+        return _Plan(sig[0], sig[1], launches, rest) if sig is not None else None
+
+    def _twin(self, items: list, rest: dict) -> None:
+        for device, ks in rest.items():
+            sentinel_reference([items[k][1] for k in ks], self._dev[device].out,
+                               [items[k][0] for k in ks])
+
+    @staticmethod
+    def _rebind(plan: _Plan, items: list, addrs: tuple) -> bool:
+        for _, launch, ks in plan.launches:
+            if not launch.rebind([addrs[k] for k in ks]):
+                return False
+        plan.addrs = addrs
+        return True
+
+
+def _flat(g: torch.Tensor) -> torch.Tensor:
+    from ..kernels.dispatch import flat_view
+    return flat_view(g)
+
+
+def _signature(items: list):
+    try:
+        return (tuple((r, g.numel(), g.stride(), g.dtype, g.device) for r, g in items),
+                tuple(g.data_ptr() for _, g in items))
+    except (RuntimeError, TypeError):
+        return None
