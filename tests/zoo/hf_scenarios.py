@@ -26,6 +26,16 @@ import stabilitywatch as sw  # noqa: E402
 VOCAB, SEQ, BATCH = 64, 16, 8
 
 
+def sampled(step: int, every: int = 10, warmup: int = 10) -> bool:
+    """Whether the default Config() reads every role at this step (no escalation)."""
+    return step < warmup or step % every == 0
+
+
+def first_read(step: int) -> int:
+    """The first step at or after `step` that reads every role."""
+    return next(s for s in range(step, step + 11) if sampled(s))
+
+
 @dataclass
 class HFRun:
     name: str
@@ -155,7 +165,7 @@ def _run(name, arch, fault, expect, run_dir, steps, **kw) -> HFRun:
 
 
 # -- the faults -----------------------------------------------------------------------------------
-def weight_jump(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
+def weight_jump(run_dir, arch="gpt2", fault=20, steps=22) -> HFRun:
     """A weight multiplied by 1e4 at step start (a bad write): no optimizer moves it that far."""
     name = TARGET[arch]["mlp_in"]
 
@@ -167,11 +177,11 @@ def weight_jump(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
                 with torch.no_grad():
                     mod.weight.mul_(1e4)
         return before
-    return _run("weight x1e4", arch, fault, (fault, "critical", name, "weight"), run_dir,
-                steps, setup=setup)
+    return _run("weight x1e4", arch, fault, (first_read(fault), "critical", name, "weight"),
+                run_dir, steps, setup=setup)
 
 
-def bit_flip(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
+def bit_flip(run_dir, arch="gpt2", fault=20, steps=22) -> HFRun:
     """The top exponent bit of one fp32 weight element flipped (|x| < 2 becomes ~1e36-1e38)."""
     name = TARGET[arch]["mlp_out"]
 
@@ -184,10 +194,10 @@ def bit_flip(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
                     mod.weight.view(-1).view(torch.int32)[5] ^= 1 << 30
         return before
     return _run("one exponent bit flipped in a weight", arch, fault,
-                (fault, "critical", name, "weight"), run_dir, steps, setup=setup)
+                (first_read(fault), "critical", name, "weight"), run_dir, steps, setup=setup)
 
 
-def backward_nan(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
+def backward_nan(run_dir, arch="gpt2", fault=20, steps=22) -> HFRun:
     """One NaN written into one module's output gradient (a hook); the forward stays finite."""
     name = TARGET[arch]["attn_out"]
 
@@ -208,11 +218,14 @@ def backward_nan(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
         def before(step):
             state["on"] = step == fault
         return before
+    # on an unsampled step the every-step sentinel names the module's first parameter gradient
+    # in backward order (its weight's or its bias's)
+    role = "grad_output" if sampled(fault) else "grad*"
     return _run("NaN in one output gradient (backward only)", arch, fault,
-                (fault, "critical", name, "grad_output"), run_dir, steps, setup=setup)
+                (fault, "critical", name, role), run_dir, steps, setup=setup)
 
 
-def forward_inf(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
+def forward_inf(run_dir, arch="gpt2", fault=20, steps=22) -> HFRun:
     """One element of a module's output set to +Inf in the forward."""
     name = TARGET[arch]["mlp_in"]
 
@@ -229,11 +242,13 @@ def forward_inf(run_dir, arch="gpt2", fault=30, steps=32) -> HFRun:
         def before(step):
             state["on"] = step == fault
         return before
-    return _run("Inf in one forward output", arch, fault, (fault, "critical", name, "output"),
+    # on an unsampled step only the loss shows it: the sentinel says "the forward of step N"
+    where = (name, "output") if sampled(fault) else ("", "loss")
+    return _run("Inf in one forward output", arch, fault, (fault, "critical", *where),
                 run_dir, steps, setup=setup)
 
 
-def lr_blowup(run_dir, arch="gpt2", fault=30, steps=33) -> HFRun:
+def lr_blowup(run_dir, arch="gpt2", fault=20, steps=23) -> HFRun:
     """The learning rate x1000 from step `fault` on (a scheduler bug): the update of step
     `fault` wrecks the weights, the next step's loss spikes."""
     def setup(model, opt):
@@ -246,7 +261,7 @@ def lr_blowup(run_dir, arch="gpt2", fault=30, steps=33) -> HFRun:
                 steps, setup=setup)
 
 
-def bad_batch(run_dir, arch="gpt2", fault=30, steps=31) -> HFRun:
+def bad_batch(run_dir, arch="gpt2", fault=20, steps=21) -> HFRun:
     """One batch of uniform random tokens (a corrupt shard) in a learnt language."""
     data = lm_data()
 
@@ -262,9 +277,9 @@ def bad_batch(run_dir, arch="gpt2", fault=30, steps=31) -> HFRun:
                 run_dir, steps, batch_at=batch_at, model=model, opt=opt)
 
 
-def fp16_growth(run_dir, arch="gpt2", fault=20, steps=52) -> HFRun:
+def fp16_growth(run_dir, arch="gpt2", fault=20, steps=46) -> HFRun:
     """From step `fault` one MLP input projection's output grows x1.6 per step (judged as fp16,
-    `formats={"output": "fp16"}`): it passes 65504 around step fault + 21."""
+    `formats={"output": "fp16"}`): it passes 65504 at step fault + 25."""
     name = TARGET[arch]["mlp_in"]
 
     def setup(model, opt):
@@ -283,7 +298,7 @@ def fp16_growth(run_dir, arch="gpt2", fault=20, steps=52) -> HFRun:
                 run_dir, steps, setup=setup, config=cfg)
 
 
-def attention_logit_growth(run_dir, arch="gpt2", fault=20, steps=42) -> HFRun:
+def attention_logit_growth(run_dir, arch="gpt2", fault=20, steps=31) -> HFRun:
     """GPT-2 with its attention scores tapped (`sw.LogitsTap("attention")` through a registered
     attention function). From step `fault` the query and key weights of the first block are
     pushed away from zero through their gradient (an anti-weight-decay term of the size of the
