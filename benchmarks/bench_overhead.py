@@ -5,7 +5,9 @@ otherwise do, all in one run:
                                                    # batch 16, bf16 autocast, fused AdamW
     python benchmarks/bench_overhead.py --smoke    # CPU: tiny shapes (the test suite runs this)
 
-Configurations: no monitor; the monitor's default config; full coverage every step (every
+Configurations: no monitor; the monitor's default config (with the every-step gradient sentinel
+and the optimizer-update rows; `--configs` also takes the default config without either, and
+with the guard); full coverage every step (every
 Linear output and output gradient, weights, weight gradients); naive forward/backward hooks with
 ten eager reductions read with .item(); torch.autograd.detect_anomaly. ms/step is the mean over
 the timed window (one sync at its end, as in training), so the default config's sampled steps
@@ -113,6 +115,15 @@ def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
         mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), capture=()), run_dir=out)
     elif kind == "default config without sinks":
         mon = sw.watch(model, opt, config=sw.Config(sinks=()), run_dir=out)
+    elif kind == "default config without sentinel":   # the every-step sentinel's share
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), sentinel=False),
+                       run_dir=out)
+    elif kind == "default config without update stats":   # the optim.update rows' share
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), update_stats=False),
+                       run_dir=out)
+    elif kind == "default config with the guard":
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), on_nonfinite="skip"),
+                       run_dir=out)
     elif kind == "full coverage, every step":
         mon = sw.watch(model, opt, config=full_coverage(), run_dir=out)
     elif kind == "full coverage, no snapshots":
@@ -178,7 +189,8 @@ def floor_ms(s: dict, device: str) -> float:
 
 KINDS = ["no monitor", "default config", "full coverage, every step", "naive hooks + .item()",
          "detect_anomaly", "default config without capture", "default config without sinks",
-         "full coverage, no snapshots"]
+         "full coverage, no snapshots", "default config without sentinel",
+         "default config without update stats", "default config with the guard"]
 
 
 def main(argv=None) -> int:

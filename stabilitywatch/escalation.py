@@ -3,9 +3,10 @@ across ranks under torch.distributed), the guard that skips a non-finite step, a
 (full sampling for a window after a tripped sentinel or a warning-or-worse alert).
 
 Ranks must escalate on the same step. Under the lockstep coordinator every rank reads the same
-step ends' frames at the same flush, and each frame's sentinel carries the cross-rank flag
-(the same value everywhere): escalation follows that flag alone there, not alerts (rank 0
-decides those alone). Multi-rank runs without lockstep flushes do not escalate (logged).
+step ends' frames at the same flush, and with the guard on each frame's sentinel carries the
+cross-rank flag (the same value everywhere): escalation follows that flag alone there, not
+alerts (rank 0 decides those alone). Other multi-rank runs do not escalate (logged): a
+collective every step only for escalation would stall the ranks still running when one leaves.
 """
 from __future__ import annotations
 
@@ -40,22 +41,25 @@ class SentinelControl:
         self.multi = mon.world_size > 1
         self.lockstep = bool(getattr(mon.dist, "active", False))
         self.escalate = cfg.escalate_steps > 0 and cfg.sentinel
-        if self.multi and self.escalate and not self.lockstep:
-            self.escalate = False
-            log.warning("stabilitywatch: escalation is off in this multi-rank run: without "
-                        "lockstep flushes (dist_mode='per_rank' and dist_divergence=False) the "
-                        "ranks could not switch on the same step")
-        elif self.multi and self.escalate:
-            log.info("stabilitywatch: multi-rank run: escalation follows the cross-rank "
-                     "gradient flag (alerts are decided on one rank and do not escalate)")
+        # ranks escalate on the same step only from the cross-rank flag read at the lockstep
+        # flush; that flag is reduced every step, which the guard needs anyway
         self.xrank: Optional[CrossRankFlag] = None
-        if self.multi and cfg.sentinel and (self.guard is not None or self.escalate):
+        if self.multi and cfg.sentinel and self.guard is not None:
             self.xrank = CrossRankFlag()
+        if self.multi and self.escalate and (self.xrank is None or not self.lockstep):
+            self.escalate = False
+            log.info("stabilitywatch: escalation is off in this multi-rank run: ranks switch "
+                        "on the same step only from the guard's cross-rank flag (needs "
+                        "on_nonfinite='skip') read at lockstep flushes (not dist_mode='per_rank' "
+                        "with dist_divergence=False)")
+        elif self.multi and self.escalate:
+            log.info("stabilitywatch: multi-rank run: escalation follows the guard's cross-rank "
+                     "gradient flag (alerts are decided on one rank and do not escalate)")
         self._device = next((p.device for _, _, p in mon.taps.params), torch.device("cpu"))
         self._was_tripped = False
         mon.sentinel.after_write.append(self._after_write)
         if self.guard is not None:
-            mon.sentinel.after_step_fns.append(lambda opt: self.guard.after_step())
+            mon.sentinel.after_step_fns.append(self._after_step)
 
     # -- hot path ------------------------------------------------------------------------------
     def _after_write(self, opt, written: bool) -> None:
@@ -66,11 +70,26 @@ class SentinelControl:
         else:
             flag = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.xrank is not None:
-            flag = self.xrank.reduce(flag)
-            self.store.set_reduced_flag(flag)
+            try:
+                flag = self.xrank.reduce(flag)
+                self.store.set_reduced_flag(flag)
+            except Exception as e:   # a rank gone: decide locally from now on
+                self.xrank, self.escalate = None, False
+                log.warning("stabilitywatch: the cross-rank gradient flag failed (%s: %s); the "
+                            "guard decides from this rank's gradients alone and escalation is "
+                            "off", type(e).__name__, e)
         if self.guard is not None and opt is not None:
-            self.guard.before_step(flag, self.mon._step)
-            self.store.guarded = True
+            try:
+                self.guard.before_step(flag, self.mon._step)
+                self.store.guarded = True
+            except Exception as e:
+                self.guard = None
+                log.warning("stabilitywatch: the guard failed (%s: %s); it is switched off, "
+                            "steps are no longer skipped", type(e).__name__, e)
+
+    def _after_step(self, opt) -> None:
+        if self.guard is not None:
+            self.guard.after_step()
 
     # -- off the hot path ----------------------------------------------------------------------
     def on_polled(self) -> None:

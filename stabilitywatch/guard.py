@@ -70,14 +70,16 @@ class Guard:
         self.opt = inner_optimizer(optimizer)
         self.fused = is_fused(self.opt)
         self._prev = _NO_PREV
+        self._device: Optional[torch.device] = None
         self.skipped_host: list[int] = []   # steps the host-side fallback skipped
 
     def before_step(self, flag: torch.Tensor, step: Optional[int]) -> None:
         """Called in the optimizer's pre-step hook with this step's (reduced) flag."""
         if self.fused:
-            devs = {p.device for g in self.opt.param_groups for p in g["params"]}
-            dev = next(iter(devs)) if len(devs) == 1 else flag.device
-            f = flag.detach().to(device=dev, dtype=torch.float32).reshape(())
+            if self._device is None:   # the fused kernels read found_inf on the params' device
+                devs = {p.device for g in self.opt.param_groups for p in g["params"]}
+                self._device = next(iter(devs)) if len(devs) == 1 else flag.device
+            f = flag.detach().to(device=self._device, dtype=torch.float32).reshape(())
             prev = getattr(self.opt, "found_inf", None)
             self._prev = prev
             if prev is not None:   # a GradScaler's: both must be clean for the step to run

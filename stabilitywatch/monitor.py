@@ -27,12 +27,14 @@ from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
+from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
 from .incidents import Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
+from .detectors.update import update_records
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
@@ -103,6 +105,9 @@ class Monitor:
                                              and not self.extras.running),
                                     self.dist.local, optimizer=optimizer is not None)
         self.taps.sentinel = self.sentinel
+        if config.update_stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
+            self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
+                                         self.dist.local)
         # the step's flag (cross-rank), the guard, escalation (escalation.py)
         self.control = SentinelControl(self)
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
@@ -324,8 +329,10 @@ class Monitor:
             norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
             if sent is not None:
                 norm["nonfinite"] = sent.nonfinite_total
+                if not grad_sq and frame.world_size > 1:
+                    norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
             recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
-        return recs + shadow_records(frame, base)
+        return recs + shadow_records(frame, base) + update_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

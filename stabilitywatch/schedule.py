@@ -1,7 +1,9 @@
 """Which steps are sampled for which role, decided on the host from integers only.
 
 Escalation: a trigger (a tripped sentinel, a warning-or-worse alert) read from a frame switches
-the next `escalate_steps` steps to every role. Frames arrive a step late, so the window opens at
+the next `escalate_steps` steps to every role of `Config.roles` at every step (role_every and
+`every` set aside; Role.INPUT only when configured: a module's input is the output of the
+module before it). Frames arrive a step late, so the window opens at
 the first step the host begins after the trigger. While a window is open, triggers do not
 extend it: a fault that persists gets windows of full sampling, not full sampling forever.
 """
@@ -37,7 +39,7 @@ class Schedule:
 
     def roles_at(self, step: int) -> frozenset[Role]:
         """The roles read at this step (called once per step begun, in order). The loss (one
-        element) is read every step; every role inside an escalation window."""
+        element) is read every step; every configured role inside an escalation window."""
         if self._window is not None and not self._window[0] <= step < self._window[1]:
             self._window = None
         if self._asked is not None and self._window is None:
@@ -45,7 +47,7 @@ class Schedule:
             self.windows.append((step, step + self.escalate_steps, self._asked))
             self._asked = None
         if self._window is not None:
-            return frozenset(Role)
+            return self.roles | {Role.LOSS}
         on = set()
         for role in self.roles:
             every = self.role_every.get(role, self.every)

@@ -87,7 +87,9 @@ def test_forecast_ignores_a_single_jump():
 
 def test_detector_config_fields():
     assert len(build_detectors(sw.Config(detectors=()))) == 2
-    assert [d.name for d in build_detectors(sw.Config())][2:] == ["drift", "spike", "shadow"]
+    # the last "spike" is the optimizer-update detector (detectors/update.py)
+    assert [d.name for d in build_detectors(sw.Config())][2:] == ["drift", "spike", "shadow",
+                                                                  "spike"]
     assert sw.Config(drift_warn_bits=4).drift_warn_bits == 4.0
     assert sw.Config.from_dict({"detectors": ["spike"], "spike_z": 8}).spike_z == 8.0
     for bad, field in [({"detectors": ("dirft",)}, "detectors"),

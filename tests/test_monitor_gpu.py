@@ -48,6 +48,66 @@ def test_monitored_steps_do_not_sync(tmp_path):
     assert steps == set(range(6))
 
 
+def test_sentinel_and_guard_do_not_sync(tmp_path):
+    """Unsampled steps (every=10, warmup=0): the every-step sentinel kernel, its copy to pinned
+    memory and the guard's found_inf for the fused AdamW, under sync-debug "error"; a NaN put
+    into one gradient on the device at step 4 is named at that step and the step is skipped."""
+    holder = {}
+
+    def before_close(mon):
+        holder["launches"] = mon.buffer.sentinel.launches
+        holder["kernel"] = bool(mon.buffer.sentinel._plan and mon.buffer.sentinel._plan.launches)
+    config = sw.Config(every=10, warmup=0, on_nonfinite="skip", sinks=("jsonl",))
+    model = build_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    data = [make_batch(gen, "cuda") for _ in range(8)]
+    target = next(p for p in model.parameters() if p.dim() == 2)
+    mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
+    try:
+        for step in range(8):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            with mon.step(step, batch=data[step]):
+                loss = train_step(model, data[step])
+                loss.backward()
+                mon.observe_loss(loss)
+                if step == 4:
+                    target.grad.view(-1)[7:8].fill_(float("nan"))   # on the device, no sync
+                    w = target.detach().clone()
+                opt.step()
+                if step == 4:   # read after the loop: a comparison here would sync
+                    holder["moved"] = (target.detach() - w).abs().max()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    before_close(mon)
+    mon.close()
+    assert holder["launches"] == 8 and holder["kernel"] and not mon.sentinel.failed
+    assert holder["moved"].item() == 0.0
+    crit = [a for a in mon.alerts if a.severity.value == "critical"]
+    assert crit and crit[0].step == 4 and crit[0].tensor.startswith("grad")
+    assert crit[0].extra.get("skipped") is True
+
+
+def test_sentinel_kernel_equals_twin_on_gpu():
+    from stabilitywatch.kernels.sentinel import SentinelLaunch
+    from stabilitywatch.stats.sentinel import sentinel_reference
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ts = [torch.randn(n, device="cuda", generator=g).to(dtype)
+              for n in (1, 127, 4097, 65536 * 3 + 5, 1 << 20)]
+        ts[2][5] = float("nan")
+        ts[3][-1] = float("inf")
+        ref = torch.zeros(len(ts), 4, dtype=torch.float64, device="cuda")
+        sentinel_reference(ts, ref, list(range(len(ts))))
+        out = torch.zeros_like(ref)
+        SentinelLaunch(ts, list(range(len(ts))), out.device).run(out)
+        assert torch.equal(out[:, [0, 1, 3]], ref[:, [0, 1, 3]]), dtype
+        assert torch.allclose(out[:, 2], ref[:, 2], rtol=1e-5), dtype
+
+
 def test_kernel_rows_equal_reference_rows_in_a_run(tmp_path):
     model = build_model().cuda()
     batch = make_batch(torch.Generator().manual_seed(0), "cuda")

@@ -9,6 +9,7 @@ from .physics import PhysicsDetector
 from .range import RangeDetector
 from .shadow import ShadowDetector
 from .spike import SpikeDetector
+from .update import UpdateDetector
 
 _EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
 
@@ -21,8 +22,11 @@ def build_detectors(config: Config, optimizer=None, modules=()) -> list[Detector
                             RangeDetector(config)]
     if optimizer is not None:
         dets.append(PhysicsDetector(config, optimizer, list(modules)))
-    return dets + [_EXTRA[name](config) for name in config.detectors]
+    dets += [_EXTRA[name](config) for name in config.detectors]
+    if config.update_stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
+        dets.append(UpdateDetector(config))
+    return dets
 
 
-__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "PhysicsDetector", "RangeDetector",
-           "ShadowDetector", "SpikeDetector", "build_detectors"]
+__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "PhysicsDetector",
+           "RangeDetector", "ShadowDetector", "SpikeDetector", "UpdateDetector", "build_detectors"]

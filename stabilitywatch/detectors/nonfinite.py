@@ -65,7 +65,9 @@ class NonFiniteDetector(Detector):
             return [Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,
                           module=module, tensor=role, stat=stat, value=value, threshold=0.0,
                           message=msg, rank=frame.rank, extra=extra)]
-        if self._vague and not vague:
+        # a later step names the module only while the weights are clean (the guard skipped
+        # the bad updates): non-finite weights are the bad step's update, not its origin
+        if self._vague and not vague and extra.get("phase") != "weight":
             self._vague = False
             msg = (f"non-finite values since step {self._episode_start} (whose alert could not "
                    f"name the module): at step {frame.step}, {int(nan)} NaN and {int(inf)} Inf "

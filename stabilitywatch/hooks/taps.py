@@ -64,6 +64,8 @@ class Taps:
         self._failed: set[str] = set()
         # the every-step gradient sentinel (hooks/sentinel.py), set by the Monitor
         self.sentinel = None
+        # the optimizer's update dW on sampled steps (hooks/update.py), set by the Monitor
+        self.update = None
         # (module, role) -> its gradient hook, made once: wrapping a function for eager running
         # (torch._dynamo.disable) costs ~0.3-0.6 ms of host time, and the forward hook registers
         # one gradient hook per output on every sampled step
@@ -202,6 +204,8 @@ class Taps:
     def _grads_before_step(self, opt, args, kwargs):
         if self.sentinel is not None:
             self.sentinel.before_step(opt)
+        if self.update is not None:
+            self._guard("update taps", self.update.before, opt)
         if not self.is_on(Role.GRAD):
             return None
         items = [(p.grad.detach(), name, role) for (name, _, p), role
@@ -212,6 +216,8 @@ class Taps:
     def _optim_state(self, opt, args, kwargs):
         if self.sentinel is not None:
             self.sentinel.after_step(opt)
+        if self.update is not None:
+            self._guard("update taps", self.update.after, opt)
         if not self.is_on(Role.OPTIM):
             return None
         items = []

@@ -20,6 +20,8 @@ from .launch import FastLaunch
 from .stats_multi import _device_table
 from .stats_triton import _interpreting
 
+ROW = tl.constexpr(COLS)      # a jit function reads module globals only as constexprs
+
 # how the program reads its tensor: 0 float32, 1 float16, 3 bf16 (as 16-bit words: the
 # interpreter's bf16 cast is wrong for subnormals; the shift is exact and free on the GPU)
 ELT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 3}
@@ -27,6 +29,40 @@ KERNEL_DTYPES = tuple(ELT)
 BLOCK = 2048                  # elements per loop step of a program
 ITERS = 32                    # loop steps per chunk: a chunk is 64 Ki elements (256 KiB fp32)
 INTERP_BLOCK, INTERP_ITERS = 4096, 2   # the interpreter pays per program and per loop step
+
+
+@triton.jit
+def _chunk(x_ptr, start, n, lanes, ELT_: tl.constexpr, BLOCK_: tl.constexpr,
+           ITERS_: tl.constexpr, MASKED: tl.constexpr):
+    # per-lane partials of one chunk; the full chunks go unmasked (a mask against a loaded
+    # length would keep the loads from being vectorised)
+    bad = tl.zeros([BLOCK_], dtype=tl.int32)
+    nan = tl.zeros([BLOCK_], dtype=tl.int32)
+    amax = tl.zeros([BLOCK_], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_], dtype=tl.float32)
+    for i in range(ITERS_):
+        idx = start + i * BLOCK_ + lanes
+        if MASKED:
+            m = idx < n
+            if ELT_ == 3:
+                w = tl.load(x_ptr + idx, mask=m, other=0).to(tl.int32)
+            else:
+                x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        else:
+            if ELT_ == 3:
+                w = tl.load(x_ptr + idx).to(tl.int32)
+            else:
+                x = tl.load(x_ptr + idx).to(tl.float32)
+        if ELT_ == 3:
+            x = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        a = tl.abs(x)
+        fin = a < float("inf")        # False for NaN and +-Inf
+        bad += tl.where(fin, 0, 1)
+        nan += tl.where(x != x, 1, 0)
+        a = tl.where(fin, a, 0.0)
+        amax = tl.maximum(amax, a)
+        ss += a * a
+    return bad, nan, amax, ss
 
 
 @triton.jit
@@ -47,26 +83,11 @@ def _sentinel_kernel(table_ptr, chunk_ptr, out_ptr, ELT_: tl.constexpr, BLOCK_: 
     x_ptr = tl.multiple_of(x_ptr, 16)
     lanes = tl.arange(0, BLOCK_)
     start = j * (BLOCK_ * ITERS_)
-    bad = tl.zeros([BLOCK_], dtype=tl.int32)
-    nan = tl.zeros([BLOCK_], dtype=tl.int32)
-    amax = tl.zeros([BLOCK_], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_], dtype=tl.float32)
-    for i in range(ITERS_):
-        idx = start + i * BLOCK_ + lanes
-        m = idx < n
-        if ELT_ == 3:
-            w = tl.load(x_ptr + idx, mask=m, other=0).to(tl.int32)
-            x = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        fin = a < float("inf")        # False for NaN and +-Inf
-        bad += tl.where(fin, 0, 1)
-        nan += tl.where(x != x, 1, 0)
-        a = tl.where(fin, a, 0.0)
-        amax = tl.maximum(amax, a)
-        ss += a * a
-    row = out_ptr + slot * COLS
+    if start + BLOCK_ * ITERS_ <= n:
+        bad, nan, amax, ss = _chunk(x_ptr, start, n, lanes, ELT_, BLOCK_, ITERS_, False)
+    else:
+        bad, nan, amax, ss = _chunk(x_ptr, start, n, lanes, ELT_, BLOCK_, ITERS_, True)
+    row = out_ptr + slot * ROW
     tl.atomic_add(row, tl.sum(bad, axis=0).to(tl.float64), sem="relaxed")
     top = tl.max(amax, axis=0).to(tl.float64).to(tl.int64, bitcast=True)
     tl.atomic_max(row.to(tl.pointer_type(tl.int64)) + 1, top, sem="relaxed")

@@ -114,10 +114,13 @@ class SentinelStore:
         self._plan = self._build(items, sig)
 
     def flag(self, device: torch.device) -> torch.Tensor:
-        """A float32 0-dim device tensor: 1.0 when a gradient written this step holds NaN/Inf
-        (read on the device, no sync); made from the written rows."""
-        d = self._rows_on(device)
-        return (d.out[:, 0].sum() > 0).to(torch.float32)
+        """A float32 0-dim tensor on `device`: 1.0 when a gradient written this step holds
+        NaN/Inf (on the device, no sync)."""
+        bad = [d.out[:, 0].sum().to(device, non_blocking=True) for d in self._dev.values()]
+        if not bad:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        total = bad[0] if len(bad) == 1 else torch.stack(bad).sum()
+        return (total > 0).to(torch.float32)
 
     def set_reduced_flag(self, flag: Optional[torch.Tensor]) -> None:
         """The cross-rank flag of this step (all ranks' gradients), copied with the step."""

@@ -1,0 +1,87 @@
+"""Spikes in the optimizer's relative update ||dW|| / ||W|| per module (role `optim.update`, on
+sampled steps by hooks/update.py; W is the weight at the step's start, from its `weight` rows).
+
+Large Adam update-norm spikes come before loss and gradient-norm spikes in large runs. Per
+module, log2 of the ratio is judged against the median of its last `update_window` samples:
+a warning when it is more than max(`update_spike_bits`, spike_z x the step-to-step noise) bits
+above (x8 by default). Updates of zero (a skipped step, a frozen module) are not judged.
+"""
+from __future__ import annotations
+
+import math
+
+from ..alert import Alert, Severity
+from ..config import Config
+from ..stats.buffer import StatsFrame
+from ..stats.layout import Stat
+from .base import Detector
+from .series import Window, log2_or_none
+
+
+UPDATE = "optim.update"
+
+
+def _weight_role(update_role: str) -> str:
+    # optim.update -> weight, optim.update.bias -> bias (hooks/taps.param_role)
+    return "weight" if update_role == UPDATE else update_role[len(UPDATE) + 1:]
+
+
+def update_ratios(frame: StatsFrame) -> dict[str, tuple[float, float, float]]:
+    """{module: (||dW|| / ||W||, ||dW||, ||W||)} over the module's parameters with both rows."""
+    weight_sq = {}
+    upd: dict[str, list] = {}
+    for i, (m, r) in enumerate(frame.keys):
+        if r == UPDATE or r.startswith(UPDATE + "."):
+            upd.setdefault(m, []).append((_weight_role(r), float(frame.rows[i][Stat.SUMSQ])))
+        else:
+            weight_sq[(m, r)] = float(frame.rows[i][Stat.SUMSQ])
+    out = {}
+    for m, parts in upd.items():
+        du = sum(v for r, v in parts if (m, r) in weight_sq)
+        w = sum(weight_sq[(m, r)] for r, _ in parts if (m, r) in weight_sq)
+        if w > 0:
+            out[m] = (math.sqrt(du / w), math.sqrt(du), math.sqrt(w))
+    return out
+
+
+def update_records(frame: StatsFrame, base: dict) -> list[dict]:
+    """stats.jsonl records of the update ratios of one frame (module, tensor "update_ratio")."""
+    return [{**base, "module": m, "tensor": "update_ratio",
+             "stats": {"update_ratio": r, "update_l2norm": du, "weight_l2norm": w}}
+            for m, (r, du, w) in update_ratios(frame).items()]
+
+
+class UpdateDetector(Detector):
+    name = "spike"
+
+    def __init__(self, config: Config):
+        self.cfg = config
+        self._win: dict[str, Window] = {}
+
+    def check(self, frame: StatsFrame) -> list[Alert]:
+        out = []
+        cfg = self.cfg
+        for m, (ratio, du, w) in update_ratios(frame).items():
+            x = log2_or_none(ratio)
+            if x is None:
+                continue
+            win = self._win.get(m)
+            if win is None:
+                win = self._win[m] = Window(cfg.update_window)
+            if len(win) >= cfg.update_min_history:
+                med, sigma = win.noise()
+                thr = max(cfg.update_spike_bits, cfg.spike_z * sigma)
+                if x - med > thr:
+                    msg = (f"optimizer update of {m or '<model>'}: ||dW|| / ||W|| = {ratio:.3g} is "
+                           f"x{2 ** (x - med):.1f} its median {2 ** med:.3g} over the last "
+                           f"{len(win)} sampled steps (threshold x{2 ** thr:.1f}); update-norm "
+                           f"spikes precede loss spikes: check the learning rate, the gradient "
+                           f"and the optimizer state of this module")
+                    out.append(Alert(step=frame.step, detector=self.name,
+                                     severity=Severity.WARNING, module=m, tensor=UPDATE,
+                                     stat="update_ratio", value=ratio,
+                                     threshold=2 ** (med + thr), message=msg, rank=frame.rank,
+                                     extra={"median": 2 ** med, "update_l2norm": du,
+                                            "weight_l2norm": w}))
+            win.push(x)
+        return out
