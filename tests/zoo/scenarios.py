@@ -187,7 +187,7 @@ def classification_data(seed=1, d_in=16, k=8, batch=128):
 
 def lr_spike(run_dir, steps=60, fault=50) -> Run:
     """A scheduler bug multiplies the learning rate by 4 every step from step `fault` (Adam).
-    The global gradient norm must spike before the loss does."""
+    The update norm and the global gradient norm must spike before the loss does."""
     torch.manual_seed(0)
     model = MLP(d_out=8)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -199,9 +199,11 @@ def lr_spike(run_dir, steps=60, fault=50) -> Run:
                            loss_fn=F.cross_entropy, before=schedule,
                            stop_when=lambda s, l: not math.isfinite(l) or l > 1e3)
     loss_alerts = [a.step for a in alerts if a.tensor == "loss" and a.severity.value != "info"]
-    run = Run("loss spike from a learning-rate spike", fault, ("spike", "", "grad_norm"),
-              {("spike", "", "grad_norm"), ("spike", "", "loss")}, (fault, fault + 5),
-              alerts, losses)
+    # the first sign is the optimizer's update-norm jump (a module's optim.update), then the
+    # global gradient norm, then the loss
+    run = Run("loss spike from a learning-rate spike", fault, ("spike", "*", "optim.update"),
+              {("spike", "", "grad_norm"), ("spike", "", "loss"), ("spike", "*", "optim.update")},
+              (fault, fault + 5), alerts, losses)
     run.event_step = loss_alerts[0] if loss_alerts else None
     return run
 
