@@ -95,6 +95,7 @@ class PhysicsDetector(Detector):
         self._lrs: deque = deque(maxlen=4096)                 # (step, per-group lr)
         self._grads: dict[tuple[str, str], dict[int, float]] = {}   # SGD: step -> grad absmax
         self._bufs: dict[tuple[str, str], dict[int, float]] = {}    # SGD: step -> momentum absmax
+        self._lr_cache: dict = {}
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         if self.kind is None or not self.params:
@@ -104,6 +105,7 @@ class PhysicsDetector(Detector):
         if self.kind == "sgd":
             self._remember(frame, rows)
         out = []
+        self._lr_cache: dict = {}
         for key, (gi, _) in self.params.items():
             i = rows.get(key)
             if i is None:
@@ -139,6 +141,13 @@ class PhysicsDetector(Detector):
                     _put(store, key, frame.step, float(frame.rows[i][Stat.ABSMAX]))
 
     def _lr_max(self, gi: int, s0: int) -> Optional[float]:
+        hit = self._lr_cache.get((gi, s0), self)
+        if hit is not self:
+            return hit
+        self._lr_cache[(gi, s0)] = best = self._scan_lr(gi, s0)
+        return best
+
+    def _scan_lr(self, gi: int, s0: int) -> Optional[float]:
         best = None
         for step, lrs in reversed(self._lrs):
             lr = lrs[gi] if gi < len(lrs) else None

@@ -250,15 +250,18 @@ def forward_inf(run_dir, arch="gpt2", fault=20, steps=22) -> HFRun:
 
 def lr_blowup(run_dir, arch="gpt2", fault=20, steps=23) -> HFRun:
     """The learning rate x1000 from step `fault` on (a scheduler bug): the update of step
-    `fault` wrecks the weights, the next step's loss spikes."""
+    `fault` wrecks the weights. On a sampled step the update-norm statistics (||dW|| / ||W||,
+    read after the optimizer step) jump at once, the first module's update first; else the
+    next step's loss spikes."""
     def setup(model, opt):
         def before(step):
             if step == fault:
                 for g in opt.param_groups:
                     g["lr"] *= 1000.0
         return before
-    return _run("learning rate x1000", arch, fault, (fault + 1, "warning", "", "loss"), run_dir,
-                steps, setup=setup)
+    expect = ((fault, "warning", "*", "optim.update") if sampled(fault) else
+              (fault + 1, "warning", "", "loss"))
+    return _run("learning rate x1000", arch, fault, expect, run_dir, steps, setup=setup)
 
 
 def bad_batch(run_dir, arch="gpt2", fault=20, steps=21) -> HFRun:
