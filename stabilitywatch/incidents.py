@@ -16,7 +16,8 @@ become one incident:
   it would keep a consequence of);
 - the root is written first (alerts.jsonl file order) and its message names the consequences;
 - alerts of the steps after it, while an escalation window (`Config.escalate_steps`, where the
-  schedule has one) is open, join it as consequences unless they are more severe than it;
+  schedule has one) is open, join it as consequences unless they are more severe than it or
+  hold a bad write (`physics`: nothing in training causes one);
 - change points that belong to no incident are statistics (records `drift.<role>` in
   stats.jsonl), not alerts.
 """
@@ -30,6 +31,7 @@ from .alert import Alert, Severity
 from .stats.buffer import Phase
 
 _INF = math.inf
+CAUSES = ("physics",)   # detectors whose findings always open an incident of their own
 _BY_RANK = {s.rank: s for s in Severity}
 
 
@@ -84,7 +86,9 @@ class Incidents:
         alerts = [alerts[j] for j in order]
         findings = [a for a in alerts if not is_change_point(a)]
         op = self._open
-        if op is not None and frame.step <= op.until and findings:
+        # a bad write is a cause by nature: no earlier incident explains it
+        fresh = any(a.detector in CAUSES for a in findings)
+        if op is not None and frame.step <= op.until and findings and not fresh:
             worst = max(a.severity.rank for a in alerts)
             if worst <= op.severity.rank:
                 if any(a.severity.rank >= 1 for a in findings):

@@ -90,6 +90,12 @@ def test_escalation_window_joins_unless_more_severe():
     assert worse[0].incident == "s13-1" and worse[0].root
     after, _ = inc.group(f(30), [alert(30, "", "loss", "warning", detector="spike")])
     assert after[0].incident == "s30-1"
+    # a bad write is never the consequence of an earlier incident
+    inc.group(f(40), [alert(40, "", "loss", "critical", detector="nonfinite")])
+    write, _ = inc.group(f(41), [alert(41, "b", "grad", "critical", detector="nonfinite"),
+                                 alert(41, "a", "weight", "critical", detector="physics")])
+    assert [(a.detector, a.incident, a.root) for a in write] == [("physics", "s41-1", True),
+                                                                  ("nonfinite", "s41-1", False)]
 
 
 def test_console_logs_consequences_at_debug(caplog):
