@@ -29,7 +29,7 @@ from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
-from .incidents import Incidents, change_records, is_change_point
+from .incidents import CAUSES, Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
 from .schedule import Schedule
@@ -295,9 +295,10 @@ class Monitor:
     def _handle(self, frame: StatsFrame) -> None:
         if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
             frame.sentinel = self.buffer.sentinel_of(frame.step)
-        # change points are evidence for incidents, not alerts of their own: no cooldown
+        # change points are evidence for incidents, not alerts of their own, and each bad write
+        # is an event of its own: no cooldown for either
         alerts = [a for det in self.detectors for a in det.check(frame)
-                  if is_change_point(a) or self.cooldown.allow(a)]
+                  if is_change_point(a) or a.detector in CAUSES or self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
         # incidents: roots first (the order sinks receive is alerts.jsonl's file order); change
         # points in no incident go to stats.jsonl

@@ -227,3 +227,14 @@ def test_config_fields():
                       ({"spike_loss_recent": 0}, "spike_loss_recent")]:
         with pytest.raises(ValueError, match=name):
             sw.Config(**bad)
+
+
+def test_a_second_bad_write_is_a_new_incident(tmp_path):
+    def twice(model, step):
+        if step in (20, 23):
+            with torch.no_grad():
+                model.fc1.weight.mul_(100.0)
+    alerts = train(tmp_path, 25, twice, every=1, capture=())
+    roots = [(a.step, a.detector, a.module, a.tensor) for a in alerts
+             if a.root and a.severity.value != "info"]
+    assert roots[:2] == [(20, "physics", "fc1", "weight"), (23, "physics", "fc1", "weight")]
