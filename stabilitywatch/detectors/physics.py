@@ -169,12 +169,15 @@ class PhysicsDetector(Detector):
             c = adam_bound(group.get("betas", (0.9, 0.999)))
             if c is None:
                 return None
-            return n * lr * (c + wd * absmax), lr, f"{type(self.opt).__name__} (at most " \
+            # |w| may grow by n * lr * c between the reads before it decays
+            return n * lr * (c + wd * (absmax + n * lr * c)), lr, \
+                f"{type(self.opt).__name__} (at most " \
                 f"{c:.3g} x lr per element per step)"
         grads, bufs = self._grads.get(key, {}), self._bufs.get(key, {})
         if any(s not in grads for s in range(s0, s1)):
             return None
-        g = max(grads[s] for s in range(s0, s1)) + wd * absmax
+        gmax = max(grads[s] for s in range(s0, s1))
+        g = gmax + wd * (absmax + n * lr * gmax)
         mu = float(group.get("momentum", 0.0) or 0.0)
         if mu == 0:
             per = g
@@ -190,7 +193,8 @@ class PhysicsDetector(Detector):
     def _judge(self, frame, key, gi, prev, cur) -> Optional[Alert]:
         s0, mx0, mn0, am0 = prev
         s1, mx1, mn1, am1 = cur
-        got = self._bound(key, gi, s0, s1, max(am0, am1))
+        # weight decay shrinks by lr * wd * |w| of the weight before the write: the earlier read
+        got = self._bound(key, gi, s0, s1, am0)
         if got is None:
             return None
         bound, lr, how = got
