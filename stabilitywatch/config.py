@@ -247,6 +247,10 @@ class Config:
     on_nonfinite: str = "warn"
     """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
     (fused torch.optim optimizers; others: one host check per step), see stabilitywatch/guard.py."""
+    rerun_skipped: bool = False
+    """With the guard and watch(step_fn=...): a skipped step is run again in place (its forward
+    and backward, every role read, no optimizer step) to name the forward module where the
+    values first went bad. Costs one host wait per step (stabilitywatch/inplace.py)."""
     update_stats: bool = True
     """On sampled steps that read weights, the optimizer update ||dW|| / ||W|| per module
     (role `update`, stat `update_ratio`), judged by the `update` detector."""

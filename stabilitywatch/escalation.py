@@ -71,8 +71,9 @@ class SentinelControl:
             flag = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.xrank is not None:
             try:
-                flag = self.xrank.reduce(flag)
-                self.store.set_reduced_flag(flag)
+                code = self.xrank.reduce(flag)
+                self.store.set_reduced_flag(code)
+                flag = (code > 0).to(torch.float32)
             except Exception as e:   # a rank gone: decide locally from now on
                 self.xrank, self.escalate = None, False
                 log.warning("stabilitywatch: the cross-rank gradient flag failed (%s: %s); the "

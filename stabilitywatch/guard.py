@@ -53,8 +53,12 @@ class CrossRankFlag:
         import torch.distributed as dist
         self.dist = dist
         self.backend = dist.get_backend()
+        self.rank = dist.get_rank()
 
     def reduce(self, flag: torch.Tensor) -> torch.Tensor:
+        """MAX over ranks of flag x (rank + 1): 0 when every rank's gradients were finite, else
+        1 + the highest rank whose were not."""
+        flag = flag * (self.rank + 1)
         if self.backend == "nccl" and not flag.is_cuda:
             flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
         elif self.backend == "gloo" and flag.is_cuda:

@@ -3,6 +3,7 @@ and sinks. It holds no statistics logic of its own."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
 from .escalation import SentinelControl
+from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
 from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
@@ -110,6 +112,7 @@ class Monitor:
                                          self.dist.local)
         # the step's flag (cross-rank), the guard, escalation (escalation.py)
         self.control = SentinelControl(self)
+        self.inplace = InPlaceRerun(self)     # rerun_skipped: a skipped step again, every role
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
         self.capture = CaptureManager(self) if config.capture else None
         self.observers = attach_observers(model, self.observe)
@@ -201,6 +204,7 @@ class Monitor:
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
         self.sentinel.begin()
+        self.inplace.begin(batch)
         if Role.OUTPUT in self._on and batch is not None:
             # the batch is the model's input (module ""): a NaN already in the data is named so
             found = list(float_tensors(batch))
@@ -214,6 +218,7 @@ class Monitor:
 
     def _end(self) -> None:
         self.sentinel.at_end()
+        step, queued = self._step, self.buffer.pending
         try:
             self.buffer.end_step()
         except Exception as e:
@@ -221,7 +226,11 @@ class Monitor:
         self._step = None
         self._on = frozenset()
         self.extras.end_step()
+        if self.inplace.on and self.buffer.pending > queued:
+            self.inplace.wait(self.buffer.last_pending())
         self._process(block=False)
+        if step is not None:
+            self.inplace.after_frames(step)
 
     def _is_on(self, role: Role) -> bool:
         # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet
@@ -295,6 +304,17 @@ class Monitor:
     def _handle(self, frame: StatsFrame) -> None:
         if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
             frame.sentinel = self.buffer.sentinel_of(frame.step)
+        if self.inplace.is_rerun_frame(frame):   # only where the values first went bad
+            alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
+                      for d in self.detectors if d.name == "nonfinite"
+                      for a in d.check(frame) if self.cooldown.allow(a)]
+            alerts, _ = self.incidents.group(frame, alerts)   # the skipped step's incident
+            if self.capture is not None:
+                alerts = self.capture.on_frame(frame, alerts)
+            for a in alerts:
+                self.alerts.append(a)
+                self.sinks.alert(a)
+            return
         # change points are evidence for incidents, not alerts of their own, and each bad write
         # is an event of its own: no cooldown for either
         alerts = [a for det in self.detectors for a in det.check(frame)

@@ -24,6 +24,7 @@ class Schedule:
         self._asked: Optional[str] = None          # a trigger waiting for the next step begun
         self._window: Optional[tuple[int, int]] = None   # [first, end) of the open window
         self.windows: list[tuple[int, int, str]] = []    # (first, end, why), for records
+        self._force = False
 
     def escalate(self, why: str) -> bool:
         """Ask for full sampling from the next step begun on. False when escalation is off or a
@@ -33,6 +34,10 @@ class Schedule:
         self._asked = why
         return True
 
+    def force_next(self) -> None:
+        """Every configured role at the next step begun only (a re-run of a skipped step)."""
+        self._force = True
+
     def escalated(self, step: int) -> bool:
         """True when `step` lay (or lies) in an escalation window."""
         return any(lo <= step < hi for lo, hi, _ in self.windows[-4:])
@@ -40,6 +45,9 @@ class Schedule:
     def roles_at(self, step: int) -> frozenset[Role]:
         """The roles read at this step (called once per step begun, in order). The loss (one
         element) is read every step; every configured role inside an escalation window."""
+        if self._force:
+            self._force = False
+            return self.roles | {Role.LOSS}
         if self._window is not None and not self._window[0] <= step < self._window[1]:
             self._window = None
         if self._asked is not None and self._window is None:

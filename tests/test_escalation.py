@@ -111,3 +111,37 @@ def test_forward_inf_says_forward_then_escalation_names_the_module(tmp_path):
     assert crit[0].extra["phase"] == "forward" and "forward of step 4" in crit[0].message
     assert crit[1].extra["refines_step"] == 4
     assert all(a.extra.get("skipped") and "step skipped" in a.message for a in crit)
+
+
+def rerun_step(model, batch):
+    """The step function watch(step_fn=...) names for the in-place re-run."""
+    return model(batch).square().mean()
+
+
+def test_a_skipped_step_is_re_run_in_place_and_names_the_forward_module(tmp_path):
+    # a transient forward fault (one step): no later step sees it, the re-run does
+    config = sw.Config(every=10, warmup=0, escalate_steps=0, on_nonfinite="skip",
+                       rerun_skipped=True, sinks=("jsonl",))
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(1)
+    with sw.watch(model, opt, config=config, run_dir=tmp_path,
+                  step_fn="test_escalation:rerun_step") as mon:
+        for step in range(7):
+            x = torch.randn(16, 8, generator=g)
+            model.fc2.broken = step == 4
+            with mon.step(step, batch=x):
+                loss = rerun_step(model, x)
+                loss.backward()
+                mon.observe_loss(loss)
+                opt.step()
+                opt.zero_grad()
+    assert mon.inplace.reruns == [4]
+    crit = [a for a in mon.alerts if a.detector == "nonfinite" and a.severity.value == "critical"]
+    assert [(a.step, a.module, a.tensor) for a in crit] == [(4, "", "loss"), (4, "fc2", "output")]
+    assert crit[1].extra["rerun"] is True and crit[1].extra["refines_step"] == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the re-run left no gradients behind and the schedule as it was
+    recs = [json.loads(line) for line in open(tmp_path / "stats.jsonl")]
+    assert _output_steps(recs) == [0]

@@ -54,6 +54,7 @@ class NonFiniteDetector(Detector):
         found = self._origin(frame, bad, s_bad, other_rank)
         module, role, nan, inf, numel, origin, extra = found
         stat, value = ("nan", nan) if nan >= inf else ("inf", inf)
+        rank = extra["ranks"][0] if extra.get("ranks") else frame.rank
         n_bad = len(bad) + (int((sent.nonfinite > 0).sum()) if sent is not None else 0)
         vague = (extra.get("phase") == "forward" and not extra.get("sampled")) \
             or bool(extra.get("other_rank"))
@@ -64,7 +65,7 @@ class NonFiniteDetector(Detector):
                    f"{origin}{self._spread(frame, bad, found)}")
             return [Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,
                           module=module, tensor=role, stat=stat, value=value, threshold=0.0,
-                          message=msg, rank=frame.rank, extra=extra)]
+                          message=msg, rank=rank, extra=extra)]
         # a later step names the module only while the weights are clean (the guard skipped
         # the bad updates): non-finite weights are the bad step's update, not its origin
         if self._vague and not vague and extra.get("phase") != "weight":
@@ -83,7 +84,7 @@ class NonFiniteDetector(Detector):
                    f"({n_bad} tensors affected; first in execution order: {origin})")
             return [Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                           module=module, tensor=role, stat=stat, value=value, threshold=0.0,
-                          message=msg, rank=frame.rank, extra=extra)]
+                          message=msg, rank=rank, extra=extra)]
         return []
 
     # -- where they first appear ---------------------------------------------------------------
@@ -106,9 +107,14 @@ class NonFiniteDetector(Detector):
         if s_bad is not None:
             return self._from_sentinel(frame, s_bad)
         # the sentinel is finite here but the cross-rank flag says another rank's is not
+        r = sent.bad_rank
+        who = f"rank {r}" if r is not None else "another rank"
+        extra = {"phase": "backward", "other_rank": True}
+        if r is not None:
+            extra["ranks"] = [r]
         return ("", "grad", 0.0, 0.0, 0.0,
-                "the gradients of another rank (this rank's were finite; the guard's cross-rank "
-                "flag reduced them on the device)", {"phase": "backward", "other_rank": True})
+                f"the gradients of {who} (this rank's were finite; the guard's cross-rank flag "
+                f"said so; the next steps read on every rank name the tensor)", extra)
 
     @staticmethod
     def _forward(frame, nan, inf, numel):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-import torch
-
 from .taps import _eager, param_role
 
 log = logging.getLogger("stabilitywatch")

@@ -58,4 +58,7 @@ class UpdateTap:
               for k in keep]
         torch._foreach_add_(neg, ws)            # W_after - W_before = dW
         items = [(c, self.params[k][0], self.roles[k]) for k, c in zip(keep, neg)]
-        self.record_many(items, Phase.OPTIM, True)
+        # overwrite=False: the buffer keeps one launch plan per (phase, overwrite), and the
+        # optimizer-state taps hold (OPTIM, True) in the same hook; a shared key would rebuild
+        # both plans every sampled step
+        self.record_many(items, Phase.OPTIM, False)

@@ -39,7 +39,8 @@ def _chunk(x_ptr, start, n, lanes, ELT_: tl.constexpr, BLOCK_: tl.constexpr,
     bad = tl.zeros([BLOCK_], dtype=tl.int32)
     nan = tl.zeros([BLOCK_], dtype=tl.int32)
     amax = tl.zeros([BLOCK_], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_], dtype=tl.float32)
+    # float64 squares: |x| above 2^64 (finite in fp32 and bf16) squares to inf in float32
+    ss = tl.zeros([BLOCK_], dtype=tl.float64)
     for i in range(ITERS_):
         idx = start + i * BLOCK_ + lanes
         if MASKED:
@@ -61,7 +62,8 @@ def _chunk(x_ptr, start, n, lanes, ELT_: tl.constexpr, BLOCK_: tl.constexpr,
         nan += tl.where(x != x, 1, 0)
         a = tl.where(fin, a, 0.0)
         amax = tl.maximum(amax, a)
-        ss += a * a
+        a64 = a.to(tl.float64)
+        ss += a64 * a64
     return bad, nan, amax, ss
 
 

@@ -322,6 +322,10 @@ class StatsBuffer:
         """Steps ended whose frames have not been read yet."""
         return len(self._pending)
 
+    def last_pending(self):
+        """The latest step ended and not read yet (its copies and events), or None."""
+        return self._pending[-1] if self._pending else None
+
     def poll(self, block: bool = False, rank: int = 0, world_size: int = 1,
              limit: Optional[int] = None) -> list[StatsFrame]:
         """Frames whose copies have landed, oldest first (all of them when block=True); at most

@@ -169,12 +169,14 @@ class SentinelStore:
             if host.shape == d.out.shape:
                 d.pool.append(host)
         order = self.order if self.order is not None else list(range(len(self.keys)))
-        any_bad = None if p.flag is None else bool(p.flag[0].numpy()[0] > 0)  # sync-ok: landed
+        code = None if p.flag is None else float(p.flag[0].numpy()[0])   # sync-ok: landed
         f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
                           nan=total[order, 3], numel=p.numel[order],
-                          ordered=self.order is not None, any_rank_bad=any_bad)
+                          ordered=self.order is not None,
+                          any_rank_bad=None if code is None else code > 0,
+                          bad_rank=int(code) - 1 if code else None)
         f.skipped = p.guarded and f.tripped
         self._read = self._read[-255:] + [f]
         return f
