@@ -38,6 +38,8 @@ class Alert:
     capture: Optional[str] = None
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
+    incident: Optional[str] = None   # id of the incident it belongs to (stabilitywatch/incidents)
+    root: bool = False               # it names the incident's cause (written first)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -48,7 +50,10 @@ class Alert:
 
     def line(self) -> str:
         where = self.module or "<model>"
-        return (f"[stabilitywatch] {self.severity.value.upper()} step {self.step} rank {self.rank} "
+        inc = (f" incident {self.incident}{'' if self.root else ' (consequence)'}"
+               if self.incident else "")
+        return (f"[stabilitywatch] {self.severity.value.upper()} step {self.step} rank {self.rank}"
+                f"{inc} "
                 f"{self.detector}: {where} {self.tensor} {self.stat}={_fmt(self.value)} "
                 f"(threshold {_fmt(self.threshold)}) - {self.message}")
 

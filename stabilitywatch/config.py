@@ -14,6 +14,7 @@ from .capture import policy as _capture_policy
 from .formats import ROW_FORMATS, Fmt
 from .stats.scale import FLT_MAX as _FLT_MAX, FLT_MIN as _FLT_MIN
 from .config_detectors import validate_detector_fields
+from .config_incidents import validate_incident_fields
 from .config_distributed import DistBackend, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
 from .config_dashboards import validate_dashboard_fields
@@ -151,6 +152,21 @@ class Config:
     spike_logz_drift: float = 10.0
     """Spike: warning when the mean log Z of the output logits moved this many nats away from
     its early median (output-logit divergence, Wortsman et al. 2023)."""
+    # -- incidents and severities (stabilitywatch/incidents.py, detectors/physics.py; README
+    # "Detectors and their defaults"); checked in config_incidents.py
+    incident_warn_bits: float = 4.0
+    """Incidents: a change point of at least this many bits (x16) from its median may be the
+    root of an incident, and is then at least a warning (smaller ones are statistics)."""
+    incident_critical_bits: float = 10.0
+    """Incidents: a change point of at least this many bits (x1024) that is the root of an
+    incident makes it critical."""
+    spike_loss_recent: int = 5
+    """Spike: the loss is judged against the lower of its window's median and the median of
+    its last this-many values (its recent level, while it still falls)."""
+    weight_update_margin: float = 2.0
+    """Physics: a weight's max or min that moved more than this times the most its optimizer
+    could move one element since the previous read (Adam/AdamW: a bound from lr and the betas;
+    SGD: lr x gradient, momentum) is critical: a bad write or silent data corruption."""
     formats: Mapping[str, str] = field(default_factory=dict)
     """Which format each tensor role would be cast to, as {role glob: format}, e.g.
     {"output": "e4m3", "weight": "e4m3", "grad*": "e5m2"}. Drives the overflow/underflow
@@ -296,6 +312,7 @@ class Config:
         if self.rank is not None:
             _int(self.rank, "Config.rank", minimum=0)
         validate_detector_fields(self, set_)
+        validate_incident_fields(self, set_)  # -- incidents
         role_every = dict(_mapping(self.role_every, "role_every"))
         for k, v in role_every.items():
             _enum(Role, k, "role_every key")

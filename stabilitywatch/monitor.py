@@ -32,6 +32,7 @@ from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
+from .incidents import CAUSES, Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
@@ -92,12 +93,13 @@ class Monitor:
         self.schedule = Schedule(config)
         self.buffer = StatsBuffer(backend=config.backend.value,
                                   capacity=max(16, 8 * len(self.modules) + 8))
-        self.detectors = build_detectors(config)
+        self.detectors = build_detectors(config, optimizer, self.modules)
         # torch.distributed: DTensor shards, lockstep cross-rank flushes, replica divergence
         # (distributed/coordinator.py); a pass-through in a single process
         self.dist = make_coordinator(self)
         self.detectors += self.dist.detectors()
         self.cooldown = Cooldown(config.alert_cooldown)
+        self.incidents = Incidents(config)
         # shadow replicas and logits taps (hooks/extra.py); validates its globs before any I/O
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
@@ -391,21 +393,32 @@ class Monitor:
             alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
                       for d in self.detectors if d.name == "nonfinite"
                       for a in d.check(frame) if self.cooldown.allow(a)]
+            alerts, _ = self.incidents.group(frame, alerts)   # the skipped step's incident
             if self.capture is not None:
                 alerts = self.capture.on_frame(frame, alerts)
             for a in alerts:
                 self.alerts.append(a)
                 self.sinks.alert(a)
             return
-        alerts = [a for det in self.detectors for a in det.check(frame) if self.cooldown.allow(a)]
+        # change points are evidence for incidents, not alerts of their own, and each bad write
+        # is an event of its own: no cooldown for either
+        alerts = [a for det in self.detectors for a in det.check(frame)
+                  if is_change_point(a) or a.detector in CAUSES or self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+        # incidents: roots first (the order sinks receive is alerts.jsonl's file order); change
+        # points in no incident go to stats.jsonl
+        alerts, changes = self.incidents.group(frame, alerts)
         alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
         if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
             alerts = self.capture.on_frame(frame, alerts)
         for a in alerts:
             self.alerts.append(a)
             self.sinks.alert(a)
-        self.sinks.log(self._records(frame))
+        recs = self._records(frame)
+        if changes:
+            recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
+                                                    if k not in ("module", "tensor", "stats")})
+        self.sinks.log(recs)
 
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,

@@ -53,7 +53,10 @@ def test_alert_points_to_a_complete_bundle(run):
     assert MANIFEST_KEYS <= set(m)
     assert (m["step"], m["rank"], m["model_factory"]) == (3, 0, "capture_models:build")
     assert {"torch", "triton", "cuda", "python"} <= set(m["versions"])
-    assert "gpu" in m["device"] and m["alerts"][0]["detector"] == "nonfinite"
+    assert "gpu" in m["device"]
+    # the fault (fc2's weights x1e5 at step start) is a bad write: the incident's root, first
+    assert (m["alerts"][0]["detector"], m["alerts"][0]["root"]) == ("physics", True)
+    assert "nonfinite" in [a["detector"] for a in m["alerts"]]
     assert len(m["stats"]["keys"]) == len(m["stats"]["rows"]) > 0
     assert ["fc2", "output"] in m["stats"]["keys"]
     for name, info in m["files"].items():

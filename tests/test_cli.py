@@ -16,7 +16,9 @@ from stabilitywatch.demo import FAULT_MODULE, build_model
 REPO = Path(__file__).resolve().parents[1]
 ALERT_KEYS = {"schema", "step", "rank", "detector", "severity", "module", "tensor", "stat",
               "value", "threshold", "message", "capture"}
-DETECTORS = {"nonfinite", "overflow", "underflow", "drift", "spike", "shadow", "divergence"}
+# the contract's detectors, and the physics of weight updates (the contract says more may come)
+DETECTORS = {"nonfinite", "overflow", "underflow", "drift", "spike", "shadow", "divergence",
+             "physics"}
 SEVERITIES = {"info", "warning", "critical"}
 
 

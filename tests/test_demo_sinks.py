@@ -21,9 +21,13 @@ def demo(tmp_path_factory):
 
 
 def test_demo_catches_fault_at_step_and_module(demo):
+    # the fault (the layer's weights x2e3) is a bad write: the root of the step's incident,
+    # the E4M3 overflow of its output a consequence
     first = [a for a in demo.alerts if a.severity.value != "info"][0]
-    assert (first.step, first.module, first.tensor, first.detector) == (6, FAULT_MODULE, "output",
-                                                                         "overflow")
+    assert (first.step, first.module, first.tensor, first.detector, first.root) == \
+        (6, FAULT_MODULE, "weight", "physics", True)
+    assert (6, FAULT_MODULE, "output", "overflow", first.incident) in \
+        [(a.step, a.module, a.tensor, a.detector, a.incident) for a in demo.alerts]
     crit = [a for a in demo.alerts if a.detector == "nonfinite"]
     assert [(a.step, a.module, a.tensor) for a in crit] == [(9, FAULT_MODULE, "output")]
     lines = [json.loads(x) for x in open(demo.run_dir / "alerts.jsonl")]

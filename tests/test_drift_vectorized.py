@@ -53,7 +53,9 @@ def frames(seed: int, steps: int = 90):
 
 
 def describe(alerts):
-    return [(a.step, a.module, a.tensor, a.stat, a.severity, a.value, a.message, a.extra)
+    # "bits" and "change_point" mark change points for the incidents step (stabilitywatch/incidents)
+    return [(a.step, a.module, a.tensor, a.stat, a.severity, a.value, a.message,
+             {k: v for k, v in a.extra.items() if k not in ("bits", "change_point")})
             for a in alerts]
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from ..alert import SCHEMA_VERSION, Alert
+from ..incidents import manifest_incidents
 from ..stats.layout import HIST_BINS, HIST_EMIN, N_SCALAR, Stat
 from .policy import SnapshotPolicy, matches, triggers
 from .snapshot import Slot, Snapshotter
@@ -129,6 +130,7 @@ class CaptureManager:
             "step": frame.step, "rank": mon.rank, "world_size": mon.world_size,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "alerts": [a.to_dict() for a in alerts],
+            "incidents": manifest_incidents(alerts),
             "config": config_to_json(mon.config),
             "modules": [n for n, _ in mon.modules],
             "model_factory": mon.model_factory, "step_fn": mon.step_fn,

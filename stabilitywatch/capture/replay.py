@@ -143,7 +143,8 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
     """The recorded statistics rows against the re-run's, in dataflow order."""
     st = m["stats"]
     keys = [tuple(k) for k in st["keys"]]
-    rows = dict(zip(keys, rows_from_json(st["rows"])))
+    table = rows_from_json(st["rows"])
+    rows = dict(zip(keys, table))
     names = st.get("stat_names") or []
     if frame is None:
         return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
@@ -151,10 +152,11 @@ def _reproduce(m: dict, frame: Any, setup: Setup) -> dict:
                 "first_rows": [], "last_agreeing": None,
                 "verdict": "does NOT reproduce: the re-run produced no statistics for the step"}
     got = dict(zip(frame.keys, frame.rows))
-    if rows.size and rows.shape[1] != frame.rows.shape[-1]:
+    if table.size and table.shape[1] != frame.rows.shape[-1]:
         return {"reproduces": False, "rows_compared": 0, "rows_differing": len(keys),
-                "missing": [], "extra": [], "differences": [],
-                "verdict": f"cannot compare: the capture's statistics rows hold {rows.shape[1]} "
+                "missing": [], "extra": [], "differences": [], "first_rows": [],
+                "last_agreeing": None,
+                "verdict": f"cannot compare: the capture's statistics rows hold {table.shape[1]} "
                            f"values, this version's {frame.rows.shape[-1]} (another row layout)"}
     missing = [k for k in keys if k not in got]
     extra = [k for k in frame.keys if k not in rows]

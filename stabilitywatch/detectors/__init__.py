@@ -5,6 +5,7 @@ from ..config import Config
 from .base import Cooldown, Detector
 from .drift import DriftDetector
 from .nonfinite import NonFiniteDetector
+from .physics import PhysicsDetector
 from .range import RangeDetector
 from .shadow import ShadowDetector
 from .spike import SpikeDetector
@@ -13,16 +14,19 @@ from .update import UpdateDetector
 _EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
 
 
-def build_detectors(config: Config) -> list[Detector]:
-    """The always-on detectors (nonfinite, overflow/underflow), then those of
-    `config.detectors`, in the order they run on each frame."""
+def build_detectors(config: Config, optimizer=None, modules=()) -> list[Detector]:
+    """The always-on detectors (nonfinite, overflow/underflow, and with an optimizer the
+    physics of weight updates), then those of `config.detectors`, in the order they run on
+    each frame."""
     dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
                             RangeDetector(config)]
+    if optimizer is not None:
+        dets.append(PhysicsDetector(config, optimizer, list(modules)))
     dets += [_EXTRA[name](config) for name in config.detectors]
     if config.update_stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
         dets.append(UpdateDetector(config))
     return dets
 
 
-__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "RangeDetector",
-           "ShadowDetector", "SpikeDetector", "UpdateDetector", "build_detectors"]
+__all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "PhysicsDetector",
+           "RangeDetector", "ShadowDetector", "SpikeDetector", "UpdateDetector", "build_detectors"]

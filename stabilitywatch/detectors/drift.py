@@ -6,7 +6,7 @@ Per (module, role, statistic) series of log2 values (`drift_stats`, default absm
 - change points: a two-sided CUSUM on z (g+ = max(0, g+ + z - k), g- likewise; alert when either
   passes h) or a single |z| >= `drift_z`. Warning when the series moved `drift_warn_bits` or more
   from its median, info otherwise; the sums restart after each alert;
-- time to overflow, for roles with a format (`Config.formats`): a Theil-Sen fit (scipy) of
+- time to overflow, for roles with a format (`Config.formats`): a Theil-Sen fit (series.theil_sen) of
   log2(absmax * scale) against the step over the last `drift_forecast_points` samples; when the
   lower confidence bound of the slope is positive, steps = (log2(format max) - current) / slope,
   a warning when steps <= `drift_forecast_horizon` and the value still fits the format (past it,
@@ -25,7 +25,7 @@ from ..config import Config
 from ..formats import spec
 from ..stats.buffer import StatsFrame
 from .base import Detector
-from .series import MAD_TO_SIGMA, log2_or_none
+from .series import MAD_TO_SIGMA, log2_or_none, theil_sen
 
 SKIP_ROLES = ("loss", "logz", "logits", "attn_logits")
 
@@ -160,7 +160,8 @@ class DriftDetector(Detector):
                 out.append((i, Alert(step=frame.step, detector=self.name, severity=sev,
                                      module=module, tensor=role, stat=f"log2_{stat}", value=dj,
                                      threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
-                                     extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj})))
+                                     extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj,
+                                            "bits": dj, "change_point": True})))
                 gp[j] = gn[j] = 0.0
             r.gp[e], r.gn[e] = gp, gn
         r.push(series, x)
@@ -190,8 +191,7 @@ class DriftDetector(Detector):
             return None
         if _kendall_tau(xs, ys) < cfg.drift_forecast_min_tau:
             return None
-        from scipy.stats import theilslopes
-        slope, _, lo, _ = theilslopes(ys, xs, alpha=cfg.drift_forecast_confidence)
+        slope, lo, _ = theil_sen(ys, xs, cfg.drift_forecast_confidence)
         if not (lo > 0 and slope > 0):
             return None
         steps = headroom / slope

@@ -1,10 +1,11 @@
 """Spikes: the loss, gradient norms (global and per layer), attention-logit growth and output-logit
 divergence (Wortsman et al. 2023, arXiv 2309.14322).
 
-- loss (module "", every step): spike when loss - median > max(spike_z * noise,
-  spike_loss_rel * |median|) over the previous `spike_window` losses, where noise is the
-  step-to-step scale 1.4826 * MAD(successive differences) / sqrt(2) (a falling loss does not
-  inflate it);
+- loss (module "", every step): spike when loss - level > max(spike_z * noise,
+  spike_loss_rel * |level|), level being the lower of the median of the previous `spike_window`
+  losses and the median of the last `spike_loss_recent` (the recent trend: early in training the
+  window's median lags far above a falling loss), noise the step-to-step scale 1.4826 *
+  MAD(successive differences about their median) / sqrt(2) (a falling loss does not inflate it);
 - gradient norms (on steps that read gradients): the global L2 norm (module "", role
   `grad_norm`, the same number as stats.jsonl) and each module's, in log2: spike when
   log2(g) - median > max(spike_z * noise, spike_grad_bits or, per layer,
@@ -88,15 +89,23 @@ class SpikeDetector(Detector):
         alert = None
         if len(w) >= cfg.spike_min_history:
             med, sigma = w.noise()
-            thr = max(cfg.spike_z * sigma, cfg.spike_loss_rel * abs(med), 1e-12)
-            if loss - med > thr:
-                msg = (f"loss {loss:.4g} is {loss - med:.3g} above its median {med:.4g} over the "
-                       f"last {len(w)} steps (threshold +{thr:.3g}: max({cfg.spike_z:g} robust "
-                       f"sigma, {cfg.spike_loss_rel:g} x |median|))")
+            # while the loss falls (early training) the window's median lags far above it:
+            # judge against the recent level too, whichever is lower
+            recent = w.recent(cfg.spike_loss_recent)
+            base = min(med, recent)
+            thr = max(cfg.spike_z * sigma, cfg.spike_loss_rel * abs(base), 1e-12)
+            if loss - base > thr:
+                level = (f"its median {med:.4g} over the last {len(w)} steps" if base == med else
+                         f"its recent level {recent:.4g} (median of the last "
+                         f"{min(len(w), cfg.spike_loss_recent)} steps; {med:.4g} over the last "
+                         f"{len(w)})")
+                msg = (f"loss {loss:.4g} is {loss - base:.3g} above {level} (threshold "
+                       f"+{thr:.3g}: max({cfg.spike_z:g} robust sigma, {cfg.spike_loss_rel:g} x "
+                       f"|level|))")
                 alert = Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                               module="", tensor="loss", stat="loss", value=loss,
-                              threshold=med + thr, message=msg, rank=frame.rank,
-                              extra={"median": med})
+                              threshold=base + thr, message=msg, rank=frame.rank,
+                              extra={"median": med, "recent": recent})
         w.push(loss)
         return alert
 
@@ -141,7 +150,8 @@ class SpikeDetector(Detector):
                    + ("; the global norm spiked too" if global_spike else ""))
             out.append(Alert(step=frame.step, detector=self.name, severity=sev, module=m,
                              tensor="grad", stat="l2norm", value=g, threshold=med * 2 ** thr,
-                             message=msg, rank=frame.rank))
+                             message=msg, rank=frame.rank,
+                             extra={"bits": dev, "change_point": True}))
         return out
 
     # -- attention and output logits -----------------------------------------------------------

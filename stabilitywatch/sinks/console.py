@@ -29,4 +29,6 @@ class ConsoleSink(Sink):
     def alert(self, alert: Alert) -> None:
         severity = Severity(alert.severity)
         if severity.rank >= self.min_severity.rank:
-            self._log.log(_LEVELS[severity], alert.line())
+            # an incident's consequences are listed in its root's line: theirs are debug
+            level = logging.DEBUG if alert.incident and not alert.root else _LEVELS[severity]
+            self._log.log(level, alert.line())

@@ -22,7 +22,7 @@ class Run:
     name: str
     fault_step: int
     expect: tuple                     # (detector, module, tensor) of the first loud alert
-    allowed: set                      # every loud alert's (detector, module, tensor)
+    allowed: set                      # every loud root's (detector, module, tensor) (globs)
     window: tuple                     # (first, last) step where the first loud alert may land
     alerts: list = field(default_factory=list)
     losses: list = field(default_factory=list)
@@ -30,7 +30,8 @@ class Run:
 
     @property
     def loud(self) -> list:
-        return [a for a in self.alerts if a.severity.value != "info"]
+        """The roots of the incidents of warning or worse (consequences are listed in them)."""
+        return [a for a in self.alerts if a.root and a.severity.value != "info"]
 
 
 def config(**kw) -> sw.Config:
@@ -106,8 +107,9 @@ def fp16_overflow(run_dir, steps=40, fault=25) -> Run:
             x[:, 3] *= 1e5
         return x, y
     alerts, losses = train(model, opt, config(formats={"output": "fp16"}), run_dir, steps, batch_at)
-    return Run("fp16 overflow in one layer", fault, ("overflow", "fc1", "output"),
-               {("overflow", "fc1", "output")}, (fault, fault), alerts, losses)
+    # the root is the batch (its column jumped 16 bits), the overflow in fc1 its consequence
+    return Run("fp16 overflow in one layer", fault, ("drift", "", "input"),
+               {("drift", "", "input")}, (fault, fault), alerts, losses)
 
 
 # -- 2. NaN injected into one gradient ----------------------------------------------------------
@@ -127,27 +129,27 @@ def nan_gradient(run_dir, steps=30, fault=20) -> Run:
 
 # -- 3. E4M3 saturation from an outlier feature that grows step by step -----------------------
 def e4m3_outlier_growth(run_dir, steps=70, fault=20) -> Run:
-    """From step `fault` one output feature of fc1 grows x1.2 per step (an outlier channel, as
-    in LLM activations). The time-to-overflow forecast must warn before E4M3 saturates."""
+    """From step `fault` one input feature grows x1.2 per step (a drifting sensor column):
+    fc1's output grows with it. The time-to-overflow forecast must warn before E4M3 saturates."""
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    sat = {}
+    data = regression_data()
 
-    def grow(step):
+    def batch_at(step):
+        x, y = data(step)
         if step >= fault:
-            with torch.no_grad():
-                model.fc1.weight[7].mul_(1.2)
-                model.fc1.bias[7].mul_(1.2)
+            x = x.clone()
+            x[:, 3] *= 1.2 ** (step - fault + 1)
+        return x, y
     alerts, losses = train(model, opt, config(formats={"output": "e4m3"}), run_dir, steps,
-                           regression_data(), before=grow)
+                           batch_at)
     over = [a.step for a in alerts if a.detector == "overflow"]
     run = Run("E4M3 saturation from a growing outlier feature", fault,
               ("drift", "fc1", "output"),
               {("drift", "fc1", "output"), ("overflow", "fc1", "output")},
               (fault + 1, (over[0] - 1) if over else steps), alerts, losses)
     run.event_step = over[0] if over else None
-    del sat
     return run
 
 
@@ -185,7 +187,7 @@ def classification_data(seed=1, d_in=16, k=8, batch=128):
 
 def lr_spike(run_dir, steps=60, fault=50) -> Run:
     """A scheduler bug multiplies the learning rate by 4 every step from step `fault` (Adam).
-    The global gradient norm must spike before the loss does."""
+    The update norm and the global gradient norm must spike before the loss does."""
     torch.manual_seed(0)
     model = MLP(d_out=8)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -197,9 +199,11 @@ def lr_spike(run_dir, steps=60, fault=50) -> Run:
                            loss_fn=F.cross_entropy, before=schedule,
                            stop_when=lambda s, l: not math.isfinite(l) or l > 1e3)
     loss_alerts = [a.step for a in alerts if a.tensor == "loss" and a.severity.value != "info"]
-    run = Run("loss spike from a learning-rate spike", fault, ("spike", "", "grad_norm"),
-              {("spike", "", "grad_norm"), ("spike", "", "loss")}, (fault, fault + 5),
-              alerts, losses)
+    # the first sign is the optimizer's update-norm jump (a module's optim.update), then the
+    # global gradient norm, then the loss
+    run = Run("loss spike from a learning-rate spike", fault, ("spike", "*", "optim.update"),
+              {("spike", "", "grad_norm"), ("spike", "", "loss"), ("spike", "*", "optim.update")},
+              (fault, fault + 5), alerts, losses)
     run.event_step = loss_alerts[0] if loss_alerts else None
     return run
 
@@ -337,7 +341,7 @@ def attention_logit_growth(run_dir, steps=100, fault=20) -> Run:
     run = Run("attention-logit growth at a high learning rate", fault,
               ("spike", "attn.0.scores", "attn_logits"),
               {("spike", "attn.0.scores", "attn_logits"), ("spike", "", "grad_norm"),
-               ("spike", "", "loss")}, (fault, end), alerts, losses)
+               ("spike", "", "loss"), ("spike", "*", "grad")}, (fault, end), alerts, losses)
     run.event_step = diverged[0] if diverged else None
     return run
 

@@ -1,6 +1,8 @@
-"""The zoo: each scenario's instability is named by the right detector, in the right step window,
-with the right module and role, and nothing else is loud (warning or critical).
+"""The zoo: each scenario's instability is named by the root of the first loud incident (warning or
+critical): the right detector, in the right step window, with the right module and role, and no
+other incident root is loud.
 `python tests/zoo/table.py` prints the README table (fault step, first alert, lead time)."""
+import fnmatch
 import os
 import sys
 
@@ -27,12 +29,18 @@ def test_fault_is_named_first_and_alone(name, tmp_path):
     loud = run.loud
     assert loud, f"{name}: no warning or critical alert\n{describe(run.alerts)}"
     first = loud[0]
-    assert key(first) == run.expect, f"{name}: first loud alert\n{describe(loud)}"
+    assert all(fnmatch.fnmatchcase(x, p) for x, p in zip(key(first), run.expect)), \
+        f"{name}: first loud incident\n{describe(loud)}"
     lo, hi = run.window
     assert lo <= first.step <= hi, f"{name}: first loud alert at {first.step}, not in {run.window}"
     assert all(a.step >= run.fault_step for a in loud), describe(loud)
-    others = [a for a in loud if key(a) not in run.allowed]
-    assert not others, f"{name}: other loud alerts\n{describe(others)}"
+    others = [a for a in loud if not any(all(fnmatch.fnmatchcase(x, p) for x, p in zip(key(a), k))
+                                         for k in run.allowed)]
+    assert not others, f"{name}: other loud incidents\n{describe(others)}"
+    # one incident per step: its root first, then its consequences
+    for a in loud:
+        mine = [b for b in run.alerts if b.incident == a.incident]
+        assert mine[0] is a and not any(b.root for b in mine[1:])
 
 
 def test_e4m3_forecast_comes_before_saturation(tmp_path):
@@ -46,7 +54,7 @@ def test_e4m3_forecast_comes_before_saturation(tmp_path):
 
 def test_lr_spike_gradient_norm_before_loss(tmp_path):
     run = scenarios.lr_spike(tmp_path)
-    grad = [a.step for a in run.loud if a.tensor == "grad_norm"]
+    grad = [a.step for a in run.alerts if a.tensor == "grad_norm" and a.severity.value != "info"]
     assert grad and run.event_step is not None and grad[0] < run.event_step
 
 
@@ -60,10 +68,12 @@ def test_shadow_names_only_the_accumulating_module(tmp_path):
     assert {a.module for a in run.alerts if a.detector == "shadow"} == {"pool"}
 
 
+@pytest.mark.slow
 def test_clean_run_has_no_warning(tmp_path):
     run = scenarios.clean_run(tmp_path)
     assert len(run.losses) >= 500
-    assert run.loud == [], describe(run.loud)
+    assert [a for a in run.alerts if a.severity.value != "info"] == [], describe(run.loud)
+    assert len(run.alerts) <= len(run.losses) // 100, describe(run.alerts)
     assert run.losses[-1] < run.losses[0] / 2     # it did learn
     # the run exercised every detector's inputs: shadows, logits, forecasts
     import json
