@@ -57,7 +57,7 @@ def count(model, loss_fn, config: sw.Config) -> tuple[int, collections.Counter]:
         keys += dash.values(r)[0]
         # stats.jsonl leaves the histograms out: every row with a finite nonzero value has one
         st = r["stats"]
-        if dash.wants_histogram(r["module"], r["tensor"]) and st["finite"] > st["zeros"]:
+        if dash.wants_histogram(r["module"], r["tensor"]) and st.get("finite", 0) > st.get("zeros", 0):
             keys.append(f"sw.{r['tensor']}.exponents/{r['module']}")
     return len(keys), collections.Counter(k.split("/", 1)[0] for k in keys)
 

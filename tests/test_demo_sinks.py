@@ -79,7 +79,8 @@ def _watched(model):
 def test_demo_keys_per_sampled_step_follow_the_budget(demo):
     # per watched module (each owns one weight; biases are left out): output 3 + 2 (the e4m3
     # fractions of its configured format) + a histogram, grad_output 3 + 1, and weight, grad
-    # and Adam's two moments 3 + 1 each; then the loss (mean, nonfinite) and the gradient norm
+    # and Adam's two moments and the optimizer's update (optim.update) 3 + 1 each; then the loss
+    # (mean, nonfinite) and the gradient norm
     pytest.importorskip("wandb")
     from stabilitywatch.demo import build_model
     modules = _watched(build_model())
@@ -87,9 +88,9 @@ def test_demo_keys_per_sampled_step_follow_the_budget(demo):
     (row,) = [r for r in wandb_reader.history_rows(recs)
               if r.get("sw/step") == 0 and f"sw.output.absmax/{FAULT_MODULE}" in r]
     keys = [k for k in row if k.startswith("sw.") and not k.startswith("sw.alerts/")]
-    assert len(keys) == len(modules) * (6 + 4 + 4 * 4) + 3
+    assert len(keys) == len(modules) * (6 + 4 + 5 * 4) + 3
     sections = {k.split("/", 1)[0] for k in keys}
-    assert len(sections) == 6 + 4 + 4 * 4 + 3          # one per (role, statistic)
+    assert len(sections) == 6 + 4 + 5 * 4 + 3          # one per (role, statistic)
     assert max(sum(k.startswith(s + "/") for k in keys) for s in sections) == len(modules)
 
 
@@ -106,7 +107,7 @@ def test_readme_states_gpt2_small_key_count():
               for p in model.get_submodule(name).parameters(recurse=False)}
     weights = len({id(model.get_submodule(n).weight) for n in watched})
     assert len(params) > weights           # biases exist, and are not on the dashboards
-    assert n == len(watched) * 2 * 4 + weights * 4 * 4 + 3
+    assert n == len(watched) * 2 * 4 + weights * 5 * 4 + 3
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert f"{n:,} keys per sampled step" in readme
 
