@@ -10,7 +10,8 @@ SCHEMA_VERSION = 1
 
 # Every value an alert's `detector` can take: the one list that Config.capture's triggers are
 # checked against. A new detector adds its name here.
-DETECTORS = ("nonfinite", "overflow", "underflow", "drift", "spike", "shadow", "divergence")
+DETECTORS = ("nonfinite", "overflow", "underflow", "drift", "spike", "shadow", "divergence",
+             "physics")
 
 
 class Severity(str, enum.Enum):
