@@ -64,7 +64,8 @@ def run(name, fault, args):
     vocab = model.config.vocab_size
     seq, batch = (16, 8) if args.tiny else (1024, 16)
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if args.tiny else 3e-4, fused=fused)
+    base_lr = 3e-3 if args.tiny else 3e-4
+    opt = torch.optim.AdamW(model.parameters(), lr=base_lr, fused=fused)
     at = data(vocab, seq, batch, device)
     fc, proj, attn = layers(model)
     state = {"on": False}
@@ -92,6 +93,9 @@ def run(name, fault, args):
     with mon:
         for step in range(steps):
             state["on"] = step == fault
+            if name == "clean":   # warm-up: GPT-2 small at a constant 3e-4 from step 0 diverges
+                for g in opt.param_groups:
+                    g["lr"] = base_lr * min(1.0, (step + 1) / 100)
             if step == fault:
                 with torch.no_grad():
                     if name == "weight_jump":
