@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config
-from .steps import AccumulatedStep, build_monitor, check_path, guarded, trainer_config
+from .steps import AccumulatedStep, build_monitor, guarded, init_callback, trainer_config
 
 log = logging.getLogger("stabilitywatch")
 REPLAY_STEP = "stabilitywatch.integrations.hf:replay_step"
@@ -64,19 +64,10 @@ class StabilityWatchCallback(_base()):
     def __init__(self, config: Optional[Config] = None, run_dir: "str | os.PathLike | None" = None,
                  model_factory: Optional[str] = None, step_fn: Optional[str] = REPLAY_STEP,
                  wandb: Optional[bool] = None):
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"StabilityWatchCallback: config must be a stabilitywatch.Config, "
-                            f"got {type(config).__name__}")
-        check_path("model_factory", model_factory)
-        check_path("step_fn", step_fn)
-        self.config, self.run_dir = config, run_dir
-        self.model_factory, self.step_fn, self.wandb = model_factory, step_fn, wandb
-        self.monitor = None
-        self._acc: Optional[AccumulatedStep] = None
+        init_callback(self, config, run_dir, model_factory, step_fn, wandb)
         self._handles: list = []
         self._scaled = False       # this step's micro-batches came with num_items_in_batch
         self._factor = 1.0
-        self._failed: set[str] = set()
 
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config
-from .steps import AccumulatedStep, build_monitor, check_path, guarded, trainer_config
+from .steps import AccumulatedStep, build_monitor, guarded, init_callback, trainer_config
 
 log = logging.getLogger("stabilitywatch")
 REPLAY_STEP = "stabilitywatch.integrations.lightning:replay_step"
@@ -48,17 +48,8 @@ class _Callback:
                  model_factory: Optional[str] = None, step_fn: Optional[str] = REPLAY_STEP,
                  wandb: Optional[bool] = None):
         super().__init__()
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"StabilityWatchCallback: config must be a stabilitywatch.Config, "
-                            f"got {type(config).__name__}")
-        check_path("model_factory", model_factory)
-        check_path("step_fn", step_fn)
-        self.config, self.run_dir = config, run_dir
-        self.model_factory, self.step_fn, self.wandb = model_factory, step_fn, wandb
-        self.monitor = None
-        self._acc: Optional[AccumulatedStep] = None
+        init_callback(self, config, run_dir, model_factory, step_fn, wandb)
         self._begun_at = -1        # trainer.global_step when the open step began
-        self._failed: set[str] = set()
 
     # -- start and end ---------------------------------------------------------------------
     @guarded

@@ -121,3 +121,18 @@ def check_path(label: str, path: Optional[str]) -> None:
     if path is not None and (not isinstance(path, str) or ":" not in path):
         raise ValueError(f"StabilityWatchCallback: {label} must be an import path "
                          f"'package.module:function', got {path!r}")
+
+
+def init_callback(cb: Any, config: Optional[Config], run_dir: Any, model_factory: Optional[str],
+                  step_fn: Optional[str], wandb: Optional[bool]) -> None:
+    """The arguments every trainer callback takes, checked where they enter, and its state."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"StabilityWatchCallback: config must be a stabilitywatch.Config, "
+                        f"got {type(config).__name__}")
+    check_path("model_factory", model_factory)
+    check_path("step_fn", step_fn)
+    cb.config, cb.run_dir = config, run_dir
+    cb.model_factory, cb.step_fn, cb.wandb = model_factory, step_fn, wandb
+    cb.monitor = None
+    cb._acc = None            # the open optimizer step's AccumulatedStep
+    cb._failed = set()
