@@ -251,7 +251,7 @@ class Snapshotter:
         if self.target is SnapshotTarget.DEVICE:
             return False
         # auto: the whole ring on the device only while it takes <= 1% of the device's memory;
-        # the monitor's peak-memory budget is 2 % (issue 3), and a ring holds two copies of the
+        # the monitor's peak-memory budget is 2 %, and a ring holds two copies of the
         # weights and optimizer state (GPT-2 small on an H200: 3.7 GiB = 2.6 %: host)
         need = len(self.slots) * (extra + sum(t.numel() * t.element_size() for t in tensors
                                               if t.is_cuda))
