@@ -290,12 +290,8 @@ class Monitor:
         self.buffer.begin_step(step)
         self.sentinel.begin()
         self.inplace.begin(batch)
-        if Role.OUTPUT in self._on and batch is not None:
-            # the batch is the model's input (module ""): a NaN already in the data is named so
-            found = list(float_tensors(batch))
-            for suffix, t in found:
-                role = "input" if len(found) == 1 else "input" + suffix
-                self._safe_record(t.detach(), "", role, Phase.BATCH, False)
+        # the batch is the model's input (module ""): a NaN already in the data is named so
+        self.observe_batch(batch)
         self.taps.weights()
         self.extras.begin_step(self._on)
         if self.capture is not None:

@@ -14,7 +14,7 @@ Says "ready" once its imports worked. Messages (child_loop.py):
   ("histos", step, wall_time, [(tag, first, counts), ...])   exponent histograms: counts
                                            (array "d" bytes) of floor(log2|x|) = first, first+1...
   ("text", tag, text, step, wall_time)     a text summary, as SummaryWriter.add_text writes it
-  ("hparams", {name: value})               the run's hparams (session start)
+  ("hparams", {name: value})               the run's hparams (TensorBoard's hparams start record)
   ("flush",) | ("close",)
 """
 from __future__ import annotations
