@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 
 from stabilitywatch.kernels.sentinel import BLOCK, ITERS, SentinelLaunch  # noqa: E402
 from stabilitywatch.stats.sentinel import COLS, sentinel_reference  # noqa: E402
+from stabilitywatch.kernels.backend import kernel_backend  # noqa: E402
 from stabilitywatch.stats.sentinel_store import SentinelStore  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -85,7 +86,7 @@ def main(argv: "list[str] | None" = None) -> int:
             launch.run(out)
         row(f"sentinel kernel {blk}x{its}" if not a.smoke else "sentinel kernel (interpreter)",
             t(k), note=f"{launch.grid} programs")
-    store = SentinelStore("auto" if device == "cuda" else "triton")
+    store = SentinelStore(kernel_backend("auto" if device == "cuda" else "triton"))
     store.set_keys([("m", str(i)) for i in range(n)])
     items = list(enumerate(grads))
     store.write(items)

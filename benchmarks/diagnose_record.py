@@ -19,6 +19,7 @@ import torch
 
 import stabilitywatch as sw
 from stabilitywatch.kernels import dispatch
+from stabilitywatch.kernels.backend import kernel_backend
 from stabilitywatch.stats.buffer import Phase, StatsBuffer
 from stabilitywatch.stats.layout import init_row_tensor
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
             *args, *consts)))
     layers.append(("launch_row_stats", lambda: _launch_row(x, row, device)))
     layers.append(("dispatch.accumulate", lambda: dispatch.accumulate(x, row)))
-    buf = StatsBuffer()
+    buf = StatsBuffer(kernel_backend())
     buf.begin_step(0)
     layers.append(("StatsBuffer.add", lambda: buf.add(x, "m", "output", Phase.FORWARD)))
     model = torch.nn.Linear(4, 4).to(device)

@@ -6,7 +6,7 @@ from .config import Backend, Config, Role
 from .formats import FORMATS, Fmt, FormatSpec
 from .hooks.logits import LogitsTap
 from .monitor import Monitor, watch
-from .stats.derive import tensor_stats
+from .kernels.backend import tensor_stats
 from .stats.layout import Stat
 
 __version__ = "0.1.0"

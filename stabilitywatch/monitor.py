@@ -34,6 +34,7 @@ from .hooks.update import UpdateTap
 from .hooks.taps import Taps, _eager
 from .incidents import CAUSES, Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
+from .kernels.backend import kernel_backend
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
 from .rundir import fresh_run_dir
@@ -91,7 +92,7 @@ class Monitor:
 
         self.modules = select_modules(model, config)
         self.schedule = Schedule(config)
-        self.buffer = StatsBuffer(backend=config.backend.value,
+        self.buffer = StatsBuffer(kernel_backend(config.backend.value),
                                   capacity=max(16, 8 * len(self.modules) + 8))
         self.detectors = build_detectors(config, optimizer, self.modules)
         # torch.distributed: DTensor shards, lockstep cross-rank flushes, replica divergence
@@ -354,7 +355,7 @@ class Monitor:
         """The record path traced by torch.compile: a custom-op call on the step's rows. A slot
         seen for the first time is made by the eager path (one graph break, then a recompile
         finds it)."""
-        self.buffer._untracked = True  # runs at trace time: from now on every row is read
+        self.buffer.mark_untracked()  # runs at trace time: from now on every row is read
         target = self.buffer.traced_target(module, role, t.device)
         if target is None or not is_supported(t) or self._step is None:
             self._record_eager(t, module, role, phase, False)

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rowcheck import assert_rows_match  # noqa: E402
 
 from stabilitywatch.kernels.dispatch import accumulate  # noqa: E402
+from stabilitywatch.kernels.backend import kernel_backend  # noqa: E402
 from stabilitywatch.stats.buffer import StatsBuffer  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
@@ -35,7 +36,7 @@ def _check(got, want):
 
 @pytest.mark.parametrize("capacity", [2, 64], ids=["grows", "fits"])
 def test_rows_do_not_leak_between_steps(capacity):
-    buf = StatsBuffer(backend="torch", capacity=capacity)
+    buf = StatsBuffer(capacity=capacity)
     a, b, c = ("a", "output"), ("b", "output"), ("c", "output")
     # step 0 writes three rows
     buf.begin_step(0)
@@ -79,7 +80,7 @@ def test_rows_do_not_leak_between_steps(capacity):
 
 
 def test_micro_batches_still_merge_within_a_step():
-    buf = StatsBuffer(backend="torch")
+    buf = StatsBuffer()
     buf.begin_step(0)
     x, y = _t(0), _t(1)
     buf.add(x, "a", "output", 0)
@@ -97,7 +98,7 @@ def test_kept_launches_and_overwrites_across_steps(backend):
     # add_many's kept plan (the same tensors on the next call) writes rows without _prepare,
     # through its kept launches (triton: the interpreter here); overwrite writes twice in a
     # step; a step writing a subset follows one writing all
-    buf = StatsBuffer(backend=backend, capacity=2)
+    buf = StatsBuffer(kernel_backend(backend), capacity=2)
     ts = [_t(k) for k in range(4)]
     items = [(t, f"m{k}", "grad", 1.0) for k, t in enumerate(ts)]
     keys = [(f"m{k}", "grad") for k in range(4)]
@@ -120,14 +121,14 @@ def test_kept_launches_and_overwrites_across_steps(backend):
 def test_rows_written_unseen_by_compiled_code_are_reset():
     # compiled code writes rows through the custom op, without the host's bookkeeping: once it
     # has, every row is reset and read at each step
-    buf = StatsBuffer(backend="torch")
+    buf = StatsBuffer()
     buf.begin_step(0)
     x = _t(0)
     buf.add(x, "a", "output", 0)
     buf.add(_t(1), "b", "output", 0)
     buf.end_step()
     _check(_frame(buf), {("a", "output"): x, ("b", "output"): _t(1)})
-    buf._untracked = True  # what monitor.py sets while dynamo traces a hook
+    buf.mark_untracked()  # what monitor.py calls while dynamo traces a hook
     for step, seed in ((1, 2), (2, 3)):
         buf.begin_step(step)
         rows, slot, scale = buf.traced_target("b", "output", torch.device("cpu"))

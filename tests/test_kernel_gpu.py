@@ -294,6 +294,7 @@ def test_gpu_add_many_plan_takes_new_addresses(dname):
     # the taps' gradients come back at new addresses each step (set to None in between): the
     # kept multi-tensor launches take them (stats/buffer._rebind, one table copy each) and give
     # the rows that one add() per tensor gives
+    from stabilitywatch.kernels.backend import kernel_backend
     from stabilitywatch.stats.buffer import StatsBuffer
     dt = DTYPES[dname]
     sizes = (1, 4097, 3 * 2**20 + 77, 768 * 3072)
@@ -302,7 +303,7 @@ def test_gpu_add_many_plan_takes_new_addresses(dname):
         return [(gpu_values(n, dt, seed=100 * step + k), f"m{k}", "grad", 1.0)
                 for k, n in enumerate(sizes)]
 
-    one, many = StatsBuffer(), StatsBuffer()
+    one, many = StatsBuffer(kernel_backend()), StatsBuffer(kernel_backend())
     keep, seen = None, []
     for step in range(3):
         items = make(step)  # the earlier steps' tensors stay alive: new addresses each step

@@ -13,6 +13,7 @@ from rowcheck import assert_rows_match  # noqa: E402
 from stabilitywatch.kernels import dispatch  # noqa: E402
 from stabilitywatch.kernels.dispatch import MULTI_MAX  # noqa: E402
 from stabilitywatch.kernels.stats_multi import launch_many  # noqa: E402
+from stabilitywatch.kernels.backend import kernel_backend  # noqa: E402
 from stabilitywatch.stats.buffer import StatsBuffer  # noqa: E402
 from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
@@ -56,7 +57,7 @@ def test_buffer_add_many_matches_one_add_per_tensor():
     items = [(t, f"m{i}", "weight", 1.0) for i, t in enumerate(ts)]
     items += [(big, "big", "weight", 1.0), (strided, "s", "weight", 1.0),
               (ts[2], "scaled", "weight", 0.5)]
-    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    one, many = StatsBuffer(kernel_backend("triton")), StatsBuffer(kernel_backend("triton"))
     for b in (one, many):
         b.begin_step(0)
     for t, m, r, s in items:
@@ -107,7 +108,7 @@ def test_add_many_repeats_its_launches_on_the_same_tensors():
     ts = tensors(torch.float32) + tensors(torch.bfloat16, seed=1)
     big = torch.randn(MULTI_MAX + 3)
     items = [(t, f"m{i}", "weight", 1.0) for i, t in enumerate(ts)] + [(big, "big", "weight", 1.0)]
-    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    one, many = StatsBuffer(kernel_backend("triton")), StatsBuffer(kernel_backend("triton"))
     for step in range(3):
         if step == 2:
             items = items + [(torch.randn(64, 80)[:, ::3], "s", "weight", 1.0)]
@@ -126,7 +127,7 @@ def test_add_many_plan_takes_the_new_addresses_of_like_tensors():
         ts = tensors(torch.float32, seed) + tensors(torch.bfloat16, seed + 1)
         return [(t, f"m{i}", "grad", 1.0) for i, t in enumerate(ts)] + [(big, "big", "grad", 1.0)]
 
-    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    one, many = StatsBuffer(kernel_backend("triton")), StatsBuffer(kernel_backend("triton"))
     first = None
     for step, items in enumerate((make(0), make(1), make(2, misaligned=True))):
         def check():
@@ -144,7 +145,7 @@ def test_add_many_plan_takes_the_new_addresses_of_like_tensors():
 def test_add_many_plan_is_not_taken_for_other_tensors():
     a = [torch.randn(100) for _ in range(3)]
     b = [torch.randn(100) for _ in range(3)]
-    buf = StatsBuffer(backend="triton")
+    buf = StatsBuffer(kernel_backend("triton"))
     for step, ts in enumerate((a, b, a)):
         buf.begin_step(step)
         buf.add_many([(t, f"m{i}", "weight", 1.0) for i, t in enumerate(ts)], 1)
@@ -157,7 +158,7 @@ def test_add_many_plan_is_not_taken_for_other_tensors():
 def test_add_many_keeps_no_plan_for_tensor_scales():
     # a tensor-valued scale lives on the device: the plan's signature must not read it (a sync
     # on CUDA), and such a list is never repeated from a plan
-    from stabilitywatch.stats.buffer import _many_sig
+    from stabilitywatch.stats.plans import many_sig as _many_sig
 
     class NoRead(torch.Tensor):
         def __float__(self):
@@ -172,7 +173,7 @@ def test_add_many_keeps_no_plan_for_tensor_scales():
 def test_add_many_plan_tells_strides_apart():
     # same address, same count, other strides: base[:100] then base[::2] must not share a plan
     base = torch.arange(200, dtype=torch.float32)
-    buf = StatsBuffer(backend="triton")
+    buf = StatsBuffer(kernel_backend("triton"))
     for step, t in enumerate((base[:100], base[::2])):
         buf.begin_step(step)
         buf.add_many([(t, "m", "weight", 1.0)], 1)
@@ -217,7 +218,7 @@ def test_add_many_overwrite_keeps_the_last_write_of_a_row():
     c, d = torch.randn(100), torch.randn(300)
     items = [(a, "m", "grad", 1.0), (c, "s", "grad", 1.0), (b, "m", "grad", 1.0),
              (d, "s", "grad", 1.0)]
-    one, many = StatsBuffer(backend="triton"), StatsBuffer(backend="triton")
+    one, many = StatsBuffer(kernel_backend("triton")), StatsBuffer(kernel_backend("triton"))
     for buf in (one, many):
         buf.begin_step(0)
     for t, m, r, s in items:

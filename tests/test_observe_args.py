@@ -166,7 +166,7 @@ def _same_lengths(buf):
 
 @pytest.mark.parametrize("capacity", [1, 64], ids=["grows", "fits"])
 def test_buffer_bad_scale_makes_no_slot(capacity):
-    buf = StatsBuffer(backend="torch", capacity=capacity)
+    buf = StatsBuffer(capacity=capacity)
     buf.begin_step(0)
     buf.add(torch.ones(3), "a", "output", Phase.FORWARD)
     with pytest.raises(ValueError):
@@ -182,7 +182,7 @@ def test_buffer_bad_scale_makes_no_slot(capacity):
 @pytest.mark.parametrize("bad", [torch.ones(3, dtype=torch.complex64),
                                  torch.ones(3, dtype=torch.int64)], ids=["complex", "int"])
 def test_buffer_failed_write_is_not_read(bad):
-    buf = StatsBuffer(backend="torch", capacity=4)
+    buf = StatsBuffer(capacity=4)
     for step in range(2):
         buf.begin_step(step)
         buf.add(torch.ones(3), "a", "output", Phase.FORWARD)
@@ -196,7 +196,7 @@ def test_buffer_failed_write_is_not_read(bad):
 
 def test_buffer_failed_write_of_a_row_written_before_drops_it():
     # a second micro-batch that fails: what the row holds is not the step's statistics
-    buf = StatsBuffer(backend="torch", capacity=4)
+    buf = StatsBuffer(capacity=4)
     buf.begin_step(0)
     buf.add(torch.ones(3), "a", "output", Phase.FORWARD)
     buf.add(torch.ones(3), "b", "output", Phase.FORWARD)
@@ -214,7 +214,7 @@ def test_buffer_failed_write_of_a_row_written_before_drops_it():
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["merge", "overwrite"])
 def test_buffer_failed_add_many_reads_none_of_its_rows(overwrite):
-    buf = StatsBuffer(backend="torch", capacity=2)
+    buf = StatsBuffer(capacity=2)
     good = [(torch.ones(3), "a", "grad", 1.0), (torch.ones(4), "b", "grad", 1.0)]
     buf.begin_step(0)
     buf.add(torch.ones(2), "x", "output", Phase.FORWARD)

@@ -1,195 +1,51 @@
 """Device rows for one step, copied to host memory asynchronously and read a step later.
 
-Slots are (module, role) pairs numbered on the host as they first appear. On each device a
-float64 [capacity x N_STATS] tensor holds the rows of the step in flight; at the end of the step
-the touched rows go to pinned host memory with a non-blocking copy and a CUDA event. A frame is
-read only once its event has completed (`poll`), or at `close` (`poll(block=True)`): the
-training loop never waits for the GPU.
+Slots are (module, role) pairs numbered on the host as they first appear (slots.py). On each
+device a float64 [capacity x N_STATS] tensor holds the rows of the step in flight
+(device_rows.py); at the end of the step the touched rows go to pinned host memory with a
+non-blocking copy and a CUDA event (staging.py). A frame is read only once its event has
+completed (`poll`), or at `close` (`poll(block=True)`): the training loop never waits for the
+GPU. Lists of tensors that come back every step repeat their launches (plans.py). The rows are
+written by the `RowBackend` the buffer is given (backend.py): stats/ does not import kernels/.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
-from ..kernels.dispatch import accumulate, accumulate_many, batchable, tileable, viewable
-from .derive import derive_many
-from .layout import N_STATS, ROW_DTYPE, init_row_tensor
+from .backend import TORCH, RowBackend
+from .device_rows import DeviceRows
+from .frame import Phase, StatsFrame
+from .plans import ManyPlan, many_sig, rebind
 from .sentinel import SentinelFrame
-from .sentinel_store import SentinelPending, SentinelStore
+from .sentinel_store import SentinelStore
+from .slots import SlotTable
+from .staging import UNSEEN, Pending, read_frame, start_copies
 
-
-_UNSEEN = 1 << 30  # sequence number of rows written by compiled code (order unknown)
-
-
-class Phase:
-    """Execution order of roles inside a step, for 'where did it first appear'."""
-    BATCH = 0
-    WEIGHT = 1
-    FORWARD = 2
-    LOSS = 3
-    BACKWARD = 4
-    GRAD = 5
-    OPTIM = 6
-
-
-@dataclass
-class StatsFrame:
-    """The statistics of one step: rows in execution order (phase, then first touch)."""
-    step: int
-    keys: list[tuple[str, str]]      # (module, role)
-    rows: np.ndarray                 # [len(keys), N_STATS] float64
-    scales: list[float]
-    phases: list[int]
-    rank: int = 0
-    world_size: int = 1
-    # every parameter gradient's non-finite count, absmax and sum of squares, in backward
-    # order (stats/sentinel.py); None when no gradient was read this step
-    sentinel: Optional[SentinelFrame] = None
-    _derived: dict = field(default_factory=dict, repr=False)
-
-    def derived(self, i: int) -> dict[str, float]:
-        if not self._derived:  # all rows at once: cheaper than one row at a time
-            self._derived.update(enumerate(derive_many(self.rows, self.scales)))
-        return self._derived[i]
-
-    def column(self, stat: str) -> list:
-        """One derived value of every row, in row order (a shared list: do not modify)."""
-        if not self.keys:
-            return []
-        return self.derived(0).column(stat)
-
-    def index(self, module: str, role: str) -> Optional[int]:
-        try:
-            return self.keys.index((module, role))
-        except ValueError:
-            return None
-
-
-class _DeviceRows:
-    def __init__(self, device: torch.device, capacity: int):
-        self.device = device
-        # one extra column: the scale of tensor-valued scales (FP8 recipes), read with the rows
-        self.rows = _static(init_row_tensor(device, capacity))
-        self.views = self.rows.unbind(0)  # one view per row, made once (indexing costs ~3 us)
-        self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
-        self.init = init_row_tensor(device, capacity)
-        self.pinned_pool: list[torch.Tensor] = []
-        # rows [lo, hi) may hold writes since their last reset; the rest hold the identity row
-        self.dirty = (0, 0)
-
-    def mark(self, lo: int, hi: int) -> None:
-        self.dirty = _union(self.dirty, (lo, hi))
-
-    def reset(self, every_row: bool = False) -> None:
-        lo, hi = (0, self.rows.shape[0]) if every_row else self.dirty
-        if hi > lo:
-            self.rows[lo:hi].copy_(self.init[lo:hi])
-        self.dirty = (0, 0)
-
-    def grow(self, capacity: int) -> None:
-        # keep rows already written this step (device copy, no sync)
-        rows = _static(init_row_tensor(self.device, capacity))
-        rows[: self.rows.shape[0]].copy_(self.rows)
-        scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=self.device)
-        scale[: self.scale.shape[0]].copy_(self.scale)
-        self.rows, self.scale = rows, scale
-        self.views = rows.unbind(0)
-        self.init = init_row_tensor(self.device, capacity)
-        self.pinned_pool.clear()
-
-    def host_buffer(self) -> torch.Tensor:
-        if self.pinned_pool:
-            return self.pinned_pool.pop()
-        pin = self.device.type == "cuda"
-        shape = (self.rows.shape[0], self.rows.shape[1] + 1)
-        return torch.empty(shape, dtype=ROW_DTYPE, pin_memory=pin)
-
-
-def _union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    # the smallest span holding both spans (an empty one, lo >= hi, adds nothing)
-    if a[1] <= a[0]:
-        return b
-    if b[1] <= b[0]:
-        return a
-    return min(a[0], b[0]), max(a[1], b[1])
-
-
-def _static(rows: torch.Tensor) -> torch.Tensor:
-    # Compiled code writes the rows through the accumulate_row custom op: a tensor that keeps
-    # its address lets inductor's CUDA graphs take the mutation (else it skips the graph)
-    if rows.device.type == "cuda":
-        try:
-            torch._dynamo.mark_static_address(rows)
-        except Exception:  # an older torch: CUDA graphs skip these graphs, nothing else changes
-            pass
-    return rows
-
-
-@dataclass
-class _ManyPlan:
-    """What add_many did for one list of tensors, to do again without host work per tensor
-    while tensors of the same kinds (shape, dtype, device, rows) come back: the taps over
-    parameters, gradients and optimizer state pass such a list every sampled step. Gradients
-    set to None between steps come back at other addresses: the launches then only take the
-    new addresses (`rebind`). No tensor references (they would keep freed gradients alive)."""
-    shape: tuple
-    addrs: tuple
-    slots: list[int]
-    launches: list                    # (device, kept launch, [(item index, element offset)])
-    singles: list[tuple[int, int]]    # (item index, slot): their own launch each
-    span: tuple[int, int]             # the rows the launches write lie in [lo, hi)
-
-
-def _many_sig(items: list) -> Optional[tuple[tuple, tuple]]:
-    # (the kinds of the items, their addresses); None: not cacheable (a tensor-valued scale:
-    # its value is on the device, and reading it would sync)
-    if any(isinstance(s, torch.Tensor) for _, _, _, s in items):
-        return None
-    try:
-        return (tuple((t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
-                      for t, m, r, s in items),
-                tuple(t.data_ptr() for t, _, _, _ in items))
-    except (TypeError, RuntimeError, ValueError):
-        return None
-
-
-def _rebind(plan: _ManyPlan, items: list, addrs: tuple) -> bool:
-    # the plan's launches on the items' new addresses; False: a launch cannot take them
-    for _, launch, src in plan.launches:
-        if not launch.rebind([addrs[k] + off * items[k][0].element_size() for k, off in src]):
-            return False
-    plan.addrs = addrs
-    return True
-
-
-@dataclass
-class _Pending:
-    step: int
-    touched: list[tuple[int, int, int]]                # (phase, seq, slot)
-    copies: list[tuple[_DeviceRows, torch.Tensor, Optional[object]]]
-    sentinel: Optional[SentinelPending] = None
+__all__ = ["Phase", "StatsBuffer", "StatsFrame"]
 
 
 class StatsBuffer:
-    def __init__(self, backend: str = "auto", capacity: int = 64):
-        self.backend = backend
-        self.keys: list[tuple[str, str]] = []
-        self.scales: list[float] = []
-        self.slot_of: dict[tuple[str, str], int] = {}
-        self.device_of: list[Optional[torch.device]] = []
-        self.phase_of: list[int] = []
-        self.tensor_scaled: set[int] = set()
-        self._capacity = capacity
-        self._dev: dict[torch.device, _DeviceRows] = {}
+    def __init__(self, backend: RowBackend = TORCH, capacity: int = 64):
+        if not isinstance(backend, RowBackend):
+            raise TypeError("StatsBuffer: backend must be a stats.backend.RowBackend "
+                            "(stabilitywatch.kernels.backend.kernel_backend(name) gives one), "
+                            f"got {type(backend).__name__}")
+        self.ops = backend
+        self.backend = backend.name
+        self.slots = SlotTable(capacity)
+        # the slot table's lists, read in place on the hot path
+        self.keys, self.scales = self.slots.keys, self.slots.scales
+        self.slot_of, self.device_of = self.slots.slot_of, self.slots.device_of
+        self.phase_of, self.tensor_scaled = self.slots.phase_of, self.slots.tensor_scaled
+        self._dev: dict[torch.device, DeviceRows] = {}
         self._touched: dict[int, tuple[int, int]] = {}
         # set when compiled code may have written rows the host did not see (see traced_target)
         self._untracked = False
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         self._step: Optional[int] = None
-        self._plans: dict = {}            # (phase, overwrite) -> _ManyPlan
+        self._plans: dict = {}            # (phase, overwrite) -> ManyPlan
         self.sentinel = SentinelStore(backend)
         self._recent: dict[int, SentinelFrame] = {}   # step -> sentinel of recently read frames
 
@@ -208,7 +64,7 @@ class StatsBuffer:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
         slot, row = self._prepare(t, module, role, phase, scale, overwrite)
         try:
-            accumulate(t, row, scale, self.backend)
+            self.ops.accumulate(t, row, scale)
         except BaseException:
             self._drop([slot])
             raise
@@ -227,12 +83,18 @@ class StatsBuffer:
             self._drop(writing)
             raise
 
+    def mark_untracked(self) -> None:
+        """Compiled code writes rows from now on (the custom op, traced_target) without the
+        host's bookkeeping: every step resets and reads every row."""
+        self._untracked = True
+
     def _add_many(self, items: list, phase: int, overwrite: bool, writing: list) -> None:
-        sig = _many_sig(items)
+        ops = self.ops
+        sig = many_sig(items)
         plan = self._plans.get((phase, overwrite))
         if (sig is not None and plan is not None and plan.shape == sig[0]
                 and not any(s in self._touched for s in plan.slots)
-                and (plan.addrs == sig[1] or _rebind(plan, items, sig[1]))):
+                and (plan.addrs == sig[1] or rebind(plan, items, sig[1]))):
             writing += plan.slots
             n = len(self._touched)
             for k, slot in enumerate(plan.slots):
@@ -243,7 +105,7 @@ class StatsBuffer:
             for k, slot in plan.singles:
                 t, _, _, scale = items[k]
                 self._dev[t.device].mark(slot, slot + 1)
-                accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
+                ops.accumulate(t, self._dev[t.device].views[slot], scale)
             return
         if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
             # a row written twice: the last write wins, as with add() one after the other (a
@@ -257,8 +119,8 @@ class StatsBuffer:
             slot, row = self._prepare(t, module, role, phase, scale, overwrite)
             writing.append(slot)
             slots.append(slot)
-            if batchable(t, scale, self.backend) or tileable(t, scale, self.backend):
-                if not viewable(t):  # the table would hold a temporary copy's address
+            if ops.batchable(t, scale) or ops.tileable(t, scale):
+                if not ops.viewable(t):  # the table would hold a temporary copy's address
                     sig = None
                 ts, ss, ks = groups.setdefault(t.device, ([], [], []))
                 ts.append(t)
@@ -266,15 +128,15 @@ class StatsBuffer:
                 ks.append(k)
             else:
                 singles.append((k, slot))
-                accumulate(t, row, scale, self.backend)
+                ops.accumulate(t, row, scale)
         launches = []
         for device, (ts, ss, ks) in groups.items():
             # after every _prepare: rows may have grown (a new tensor) while preparing
             launches += [(device, lk, [(ks[i], off) for i, off in src]) for lk, src
-                         in accumulate_many(ts, self._dev[device].rows, ss)]
+                         in ops.accumulate_many(ts, self._dev[device].rows, ss)]
         if sig is not None and len(set(slots)) == len(slots):
             span = (min(slots), max(slots) + 1) if slots else (0, 0)
-            self._plans[(phase, overwrite)] = _ManyPlan(*sig, slots, launches, singles, span)
+            self._plans[(phase, overwrite)] = ManyPlan(*sig, slots, launches, singles, span)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
@@ -306,8 +168,7 @@ class StatsBuffer:
             self._touched.pop(slot, None)
             for dev in self._dev.values():
                 if slot < dev.rows.shape[0]:
-                    dev.mark(slot, slot + 1)
-                    dev.views[slot].copy_(dev.init[slot])
+                    dev.reset_row(slot)
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
@@ -318,28 +179,13 @@ class StatsBuffer:
         touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
         if self._untracked:  # compiled code writes rows without host bookkeeping: read them all
             seen = {slot for _, _, slot in touched}
-            touched += [(self.phase_of[s], _UNSEEN, s) for s in range(len(self.keys))
+            touched += [(self.phase_of[s], UNSEEN, s) for s in range(len(self.keys))
                         if s not in seen and self.device_of[s] is not None]
             touched.sort()
-        spans = self._spans(self._touched)
-        copies = []
-        for dev in self._dev.values():
-            host = dev.host_buffer()
-            # the touched rows' span only: an unsampled step copies the loss row, not ~600
-            lo, hi = (0, dev.rows.shape[0]) if self._untracked else spans.get(dev.device, (0, 0))
-            if hi <= lo:
-                copies.append((dev, host, None))
-                continue
-            both = torch.cat([dev.rows[lo:hi], dev.scale[lo:hi]], 1)
-            if dev.device.type == "cuda":
-                host[lo:hi].copy_(both, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(dev.device))
-            else:
-                host[lo:hi].copy_(both)
-                ev = None
-            copies.append((dev, host, ev))
-        self._pending.append(_Pending(self._step, touched, copies, sent))
+        # the touched rows' span only: an unsampled step copies the loss row, not ~600
+        spans = None if self._untracked else self.slots.spans(self._touched)
+        copies = start_copies(self._dev.values(), spans)
+        self._pending.append(Pending(self._step, touched, copies, sent))
         self._step = None
         self._touched = {}
 
@@ -360,55 +206,22 @@ class StatsBuffer:
         frames = []
         while self._pending and (limit is None or len(frames) < limit):
             p = self._pending[0]
-            if not block and not (all(ev is None or ev.query() for _, _, ev in p.copies)
-                                  and (p.sentinel is None or p.sentinel.ready())):
+            if not block and not p.ready():
                 break
-            for _, _, ev in p.copies:
-                if ev is not None:
-                    ev.synchronize()
-            if p.sentinel is not None:
-                p.sentinel.wait()
+            p.wait()
             self._pending.pop(0)
-            frames.append(self._frame(p, rank, world_size))
+            sent = self.sentinel.frame(p.sentinel) if p.sentinel is not None else None
+            if sent is not None:
+                self._recent[p.step] = sent
+                while len(self._recent) > 64:
+                    self._recent.pop(next(iter(self._recent)))
+            frames.append(read_frame(p, self.slots, sent, rank, world_size))
         return frames
-
-    def _frame(self, p: _Pending, rank: int, world_size: int) -> StatsFrame:
-        host_of = {dev.device: host.numpy() for dev, host, _ in p.copies}  # sync-ok: copy done
-        keep, rows, scales = [], [], []
-        for ph, seq, slot in p.touched:
-            host = host_of[self.device_of[slot]]
-            if seq == _UNSEEN and host[slot, 0] == 0:  # a slot compiled code did not write
-                continue
-            keep.append((ph, slot))
-            rows.append(host[slot, :N_STATS])
-            scales.append(float(host[slot, N_STATS]) if slot in self.tensor_scaled
-                          else self.scales[slot])
-        for dev, host, _ in p.copies:
-            if host.shape[0] == dev.rows.shape[0]:
-                dev.pinned_pool.append(host)
-        table = np.array(rows, dtype=np.float64).reshape(len(rows), N_STATS)
-        sent = self.sentinel.frame(p.sentinel) if p.sentinel is not None else None
-        if sent is not None:
-            self._recent[p.step] = sent
-            while len(self._recent) > 64:
-                self._recent.pop(next(iter(self._recent)))
-        return StatsFrame(step=p.step, keys=[self.keys[s] for _, s in keep], rows=table,
-                          scales=scales, phases=[ph for ph, _ in keep], rank=rank,
-                          world_size=world_size, sentinel=sent)
 
     def sentinel_of(self, step: int) -> Optional[SentinelFrame]:
         """The sentinel of a recently read step (frames merged across ranks are built anew and
         carry none: the monitor finds this rank's here)."""
         return self._recent.get(step)
-
-    def _spans(self, touched) -> dict:
-        # device -> (lo, hi): the span of the given slots' rows on each device
-        spans: dict = {}
-        for slot in touched:
-            d = self.device_of[slot]
-            lo, hi = spans.get(d, (slot, slot + 1))
-            spans[d] = (min(lo, slot), max(hi, slot + 1))
-        return spans
 
     def traced_target(self, module: str, role: str, device: torch.device):
         """(rows, slot, scale) for a record made from compiled code, or None when the slot or
@@ -419,28 +232,23 @@ class StatsBuffer:
             return None
         return dev.rows, slot, self.scales[slot]
 
-    def _new_slot(self, key: tuple[str, str], scale: float, phase: int = 0) -> int:
+    def _new_slot(self, key: tuple[str, str], scale, phase: int = 0) -> int:
         # every step that can fail (the scale's value, growing the rows) comes before the slot
-        # enters any of the per-slot lists, which must stay the same length
-        value = 1.0 if isinstance(scale, torch.Tensor) else float(scale)
-        slot = len(self.keys)
-        if slot >= self._capacity:
-            capacity = max(2 * self._capacity, slot + 1)
+        # enters the table
+        if not isinstance(scale, torch.Tensor):
+            float(scale)
+        capacity = self.slots.grown_capacity()
+        if capacity is not None:
             for d in self._dev.values():
                 if d.rows.shape[0] < capacity:
                     d.grow(capacity)
-            self._capacity = capacity
-        self.phase_of.append(phase)
-        self.keys.append(key)
-        self.scales.append(value)
-        self.device_of.append(None)
-        self.slot_of[key] = slot
-        return slot
+            self.slots.capacity = capacity
+        return self.slots.add(key, scale, phase)
 
-    def _rows_on(self, device: torch.device) -> _DeviceRows:
+    def _rows_on(self, device: torch.device) -> DeviceRows:
         d = self._dev.get(device)
         if d is None:
-            d = self._dev[device] = _DeviceRows(device, self._capacity)
+            d = self._dev[device] = DeviceRows(device, self.slots.capacity)
             if self._step is not None:
                 d.rows.copy_(d.init)
         return d

@@ -1,11 +1,10 @@
-"""Host-side values derived from a statistics row (numpy), and `tensor_stats`."""
+"""Host-side values derived from a statistics row (numpy)."""
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
 import numpy as np
-import torch
 
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, shift_is_set
@@ -124,14 +123,3 @@ def histogram(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = np.asarray(row, dtype=np.float64)[Stat.HIST: Stat.HIST + HIST_BINS]
     return np.arange(HIST_EMIN, HIST_EMIN + HIST_BINS), counts.copy()
 
-
-def tensor_stats(t: torch.Tensor, scale: float = 1.0) -> dict[str, float]:
-    """One-off statistics of a tensor, synchronous. The same numbers the hooks log: the Triton
-    kernel on CUDA when it is available, the pure-torch reference otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"tensor_stats expects a torch.Tensor, got {type(t).__name__}")
-    from ..kernels.dispatch import compute_row  # late: kernels may pull in triton
-
-    row = compute_row(t, scale)
-    assert row.shape == (N_STATS,)
-    return derive(row.cpu().numpy(), float(scale))  # sync-ok: tensor_stats is synchronous

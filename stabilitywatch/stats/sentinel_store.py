@@ -9,28 +9,14 @@ kinds (sizes, dtypes, order) and only take new addresses when gradients come bac
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
+from .backend import TORCH, RowBackend
 from .sentinel import COLS, DTYPE, SentinelFrame, sentinel_reference
-
-
-@functools.lru_cache(maxsize=1)
-def _kernel_module():
-    try:
-        from ..kernels import sentinel
-    except Exception:  # no triton, or one that does not import here
-        return None
-    return sentinel
-
-
-def _use_kernel(device: torch.device, backend: str) -> bool:
-    from ..kernels.dispatch import triton_usable
-    return triton_usable(device, backend) and _kernel_module() is not None
 
 
 class _DevSentinel:
@@ -74,8 +60,8 @@ class SentinelPending:
 
 
 class SentinelStore:
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
+    def __init__(self, backend: RowBackend = TORCH):
+        self.ops = backend
         self.keys: list[tuple[str, str]] = []   # row i: (module, role) of a gradient
         self.order: Optional[list[int]] = None  # rows in backward order, once recorded
         self._dev: dict[torch.device, _DevSentinel] = {}
@@ -199,16 +185,14 @@ class SentinelStore:
         for k, (r, g) in enumerate(items):
             if g.numel() == 0:
                 continue
-            kern = _use_kernel(g.device, self.backend) and _kernel_module().launchable(g)
-            if kern:
+            if self.ops.sentinel_launchable is not None and self.ops.sentinel_launchable(g):
                 groups.setdefault((g.device, g.dtype), []).append(k)
             else:
                 rest.setdefault(g.device, []).append(k)
         launches = []
         for (device, _), ks in groups.items():
-            mod = _kernel_module()
-            flats = [_flat(items[k][1]) for k in ks]
-            launch = mod.sentinel_launch(flats, self._dev[device].out, [items[k][0] for k in ks])
+            launch = self.ops.sentinel_launch([items[k][1] for k in ks], self._dev[device].out,
+                                              [items[k][0] for k in ks])
             launches.append((device, launch, ks))
         self._twin(items, rest)
         return _Plan(sig[0], sig[1], launches, rest) if sig is not None else None
@@ -225,11 +209,6 @@ class SentinelStore:
                 return False
         plan.addrs = addrs
         return True
-
-
-def _flat(g: torch.Tensor) -> torch.Tensor:
-    from ..kernels.dispatch import flat_view
-    return flat_view(g)
 
 
 def _signature(items: list):
