@@ -3,14 +3,16 @@ from .alert import Alert, Severity
 from .capture.reader import CaptureError
 from .capture.replay import replay
 from .config import Backend, Config, Role
+from .extensions import Detector, Sink
 from .formats import FORMATS, Fmt, FormatSpec
 from .hooks.logits import LogitsTap
 from .monitor import Monitor, watch
 from .kernels.backend import tensor_stats
+from .stats.frame import StatsFrame
 from .stats.layout import Stat
 
 __version__ = "0.1.0"
 
-__all__ = ["Alert", "Backend", "Config", "FORMATS", "Fmt", "FormatSpec", "LogitsTap", "Monitor",
-           "Role", "Severity", "Stat", "tensor_stats", "watch", "__version__",
-           "replay", "CaptureError"]
+__all__ = ["Alert", "Backend", "CaptureError", "Config", "Detector", "FORMATS", "Fmt",
+           "FormatSpec", "LogitsTap", "Monitor", "Role", "Severity", "Sink", "Stat",
+           "StatsFrame", "replay", "tensor_stats", "watch", "__version__"]

@@ -65,8 +65,9 @@ class Config:
     `shadow_modules` are re-run in `shadow_dtype` on the same inputs (see stabilitywatch/shadow)."""
     # -- detectors (drift, spike, shadow): README "Detectors and their defaults"; checked in
     # config_detectors.py. Defaults keep a healthy run free of warnings.
-    detectors: tuple[str, ...] = ("drift", "spike", "shadow")
-    """Extra detectors switched on (nonfinite, overflow and underflow are always on)."""
+    detectors: tuple[Any, ...] = ("drift", "spike", "shadow")
+    """Extra detectors switched on: names, or your own stabilitywatch.Detector instances
+    (nonfinite, overflow and underflow are always on)."""
     shadow_modules: tuple[str, ...] = ()
     """Globs of module names that get a shadow replica. Empty: the watched modules."""
     shadow_dtype: str = "fp32"

@@ -1,10 +1,12 @@
 """Validation of the `# -- detectors` block of Config (drift, spike and shadow fields).
 
 Kept apart from config.py so that the block's checks live next to nothing else and config.py stays
-small; it imports nothing from the package (config.py imports it)."""
+small; it imports only the small checks of config_extensions.py (config.py imports it)."""
 from __future__ import annotations
 
 import math
+
+from .config_extensions import check_detector_entries
 
 DETECTOR_NAMES = ("drift", "spike", "shadow")
 SHADOW_DTYPES = ("fp32", "fp64")
@@ -41,12 +43,9 @@ def validate_detector_fields(cfg, set_) -> None:
                  "output_logits"):
         set_(name, _as_tuple(getattr(cfg, name)))
         for item in getattr(cfg, name):
-            if not isinstance(item, str):
+            if not isinstance(item, str) and name != "detectors":
                 raise ValueError(f"Config.{name} must hold strings, got {item!r}")
-    for d in cfg.detectors:
-        if d not in DETECTOR_NAMES:
-            raise ValueError(f"Config.detectors: unknown detector {d!r}; expected any of "
-                             f"{DETECTOR_NAMES} (nonfinite/overflow/underflow are always on)")
+    check_detector_entries(cfg.detectors, DETECTOR_NAMES)
     for s in cfg.drift_stats:
         if s not in DRIFT_STATS:
             raise ValueError(f"Config.drift_stats: {s!r} is not one of {DRIFT_STATS}")

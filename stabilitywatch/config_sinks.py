@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
+from .extensions import Sink
+
 SINK_NAMES = ("jsonl", "console", "wandb", "tensorboard")
 
 
 def validate_sink_fields(cfg) -> None:
-    from .sinks.base import Sink  # here: the sinks package sits above config
-
     seen: list = []
     for s in cfg.sinks:
         if isinstance(s, str):

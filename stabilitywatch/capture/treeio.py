@@ -142,11 +142,17 @@ def config_to_json(cfg) -> dict:
 
 def config_from_json(data: Mapping[str, Any], **overrides: Any):
     """Rebuild a Config from config_to_json output: fields this version does not know are
-    ignored (a bundle from a newer version still replays), `select` is dropped."""
+    ignored (a bundle from a newer version still replays), `select` and the user's own
+    detectors are dropped."""
     from ..config import Config
+    from ..config_detectors import DETECTOR_NAMES
 
     fields = {f.name: f for f in dataclasses.fields(Config)}
     kw = {k: v for k, v in data.items() if k in fields and k != "select"}
+    if isinstance(kw.get("detectors"), list):
+        # a user's Detector instances are objects, stored as their repr: replay runs the
+        # built-in detectors only
+        kw["detectors"] = [d for d in kw["detectors"] if d in DETECTOR_NAMES]
     for k, v in kw.items():  # numbers JSON cannot hold were written as "inf", "-inf", "nan"
         default = fields[k].default
         if v in ("inf", "-inf", "nan") and isinstance(default, (int, float)) \

@@ -10,23 +10,25 @@ from .range import RangeDetector
 from .shadow import ShadowDetector
 from .spike import SpikeDetector
 from .update import UpdateDetector
+from .user import UserDetector
 
 _EXTRA = {"drift": DriftDetector, "spike": SpikeDetector, "shadow": ShadowDetector}
 
 
 def build_detectors(config: Config, optimizer=None, modules=()) -> list[Detector]:
     """The always-on detectors (nonfinite, overflow/underflow, and with an optimizer the
-    physics of weight updates), then those of `config.detectors`, in the order they run on
-    each frame."""
+    physics of weight updates), then those of `config.detectors` (names, or your own Detector
+    instances), in the order they run on each frame."""
     dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
                             RangeDetector(config)]
     if optimizer is not None:
         dets.append(PhysicsDetector(config, optimizer, list(modules)))
-    dets += [_EXTRA[name](config) for name in config.detectors]
+    dets += [_EXTRA[d](config) if isinstance(d, str) else UserDetector(d)
+             for d in config.detectors]
     if config.update_stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
         dets.append(UpdateDetector(config))
     return dets
 
 
 __all__ = ["Cooldown", "Detector", "DriftDetector", "NonFiniteDetector", "PhysicsDetector",
-           "RangeDetector", "ShadowDetector", "SpikeDetector", "UpdateDetector", "build_detectors"]
+           "RangeDetector", "ShadowDetector", "SpikeDetector", "UpdateDetector", "UserDetector", "build_detectors"]

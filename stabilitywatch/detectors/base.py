@@ -1,18 +1,11 @@
-"""Detector interface and the cooldown that keeps repeated alerts from flooding sinks."""
+"""The Detector protocol (defined in stabilitywatch/extensions.py) and the cooldown that keeps
+repeated alerts from flooding sinks."""
 from __future__ import annotations
 
-import abc
-
 from ..alert import Alert
-from ..stats.buffer import StatsFrame
+from ..extensions import Detector
 
-
-class Detector(abc.ABC):
-    name = "detector"
-
-    @abc.abstractmethod
-    def check(self, frame: StatsFrame) -> list[Alert]:
-        """Alerts for one step's frame (frames arrive in step order)."""
+__all__ = ["Cooldown", "Detector"]
 
 
 class Cooldown:
