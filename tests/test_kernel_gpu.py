@@ -292,7 +292,7 @@ def test_kept_launch_plans_give_the_decided_rows(dname, scale):
 @pytest.mark.parametrize("dname", ["fp32", "bf16"])
 def test_gpu_add_many_plan_takes_new_addresses(dname):
     # the taps' gradients come back at new addresses each step (set to None in between): the
-    # kept multi-tensor launches take them (stats/buffer._rebind, one table copy each) and give
+    # kept multi-tensor launches take them (stats/plans.rebind, one table copy each) and give
     # the rows that one add() per tensor gives
     from stabilitywatch.kernels.backend import kernel_backend
     from stabilitywatch.stats.buffer import StatsBuffer

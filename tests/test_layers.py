@@ -239,7 +239,8 @@ def test_cycles_finds_a_three_module_ring_and_ignores_a_dag():
     ("from .stats.layout import Stat", {"stats", "stats.layout"}),
     ("from . import monitor", {"monitor"}),
     ("def f():\n    from .monitor import Monitor", {"monitor"}),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .monitor import Monitor", set()),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .monitor import Monitor",
+     set()),
     ("import stabilitywatch.stats.layout as L", {"stats", "stats.layout"}),
     ("import os, torch", set()),
 ], ids=["from-dotted", "from-package", "late-import", "type-checking", "absolute", "outside"])

@@ -25,26 +25,21 @@ def kernel_backend(name: str = "auto") -> RowBackend:
     """name: "auto" (the kernels on CUDA), "triton" (the kernels wherever they run, the
     interpreter included; an error where triton does not import) or "torch" (the reference)."""
     if name not in ("auto", "triton", "torch"):
-        raise ValueError(f"stabilitywatch: backend must be 'auto', 'triton' or 'torch', got {name!r}")
+        raise ValueError(f"stabilitywatch: backend must be 'auto', 'triton' or 'torch', "
+                         f"got {name!r}")
+    return RowBackend(name=name, accumulate=dispatch.accumulate,
+                      accumulate_many=dispatch.accumulate_many, batchable=dispatch.batchable,
+                      tileable=dispatch.tileable, viewable=dispatch.viewable,
+                      sentinel_launchable=_sentinel_launchable, sentinel_launch=_sentinel_launch)
 
-    def sentinel_launchable(g: torch.Tensor) -> bool:
-        mod = _sentinel_module()
-        return (dispatch.triton_usable(g.device, name) and mod is not None
-                and mod.launchable(g))
 
-    def sentinel_launch(grads: list, out: torch.Tensor, rows: list):
-        return _sentinel_module().sentinel_launch([dispatch.flat_view(g) for g in grads], out,
-                                                  rows)
+def _sentinel_launchable(g: torch.Tensor, name: str) -> bool:
+    mod = _sentinel_module()
+    return dispatch.triton_usable(g.device, name) and mod is not None and mod.launchable(g)
 
-    return RowBackend(
-        name=name,
-        accumulate=functools.partial(dispatch.accumulate, backend=name),
-        accumulate_many=dispatch.accumulate_many,
-        batchable=functools.partial(dispatch.batchable, backend=name),
-        tileable=functools.partial(dispatch.tileable, backend=name),
-        viewable=dispatch.viewable,
-        sentinel_launchable=sentinel_launchable,
-        sentinel_launch=sentinel_launch)
+
+def _sentinel_launch(grads: list, out: torch.Tensor, rows: list):
+    return _sentinel_module().sentinel_launch([dispatch.flat_view(g) for g in grads], out, rows)
 
 
 def tensor_stats(t: torch.Tensor, scale: float = 1.0) -> dict[str, float]:

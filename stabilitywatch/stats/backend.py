@@ -18,24 +18,26 @@ from .reference import reference_row
 
 @dataclass(frozen=True)
 class RowBackend:
+    """The functions take the backend's `name` as their last argument (as kernels/dispatch.py's
+    do): the buffer passes it on each call, which costs less than binding it."""
     name: str
-    # merge the statistics of t into one float64 row: (t, row, scale) -> None
+    # merge the statistics of t into one float64 row: (t, row, scale, name) -> None
     accumulate: Callable
     # one launch for many tensors: (tensors, rows, slots) -> [(launch, [(index, offset)])]; the
     # launches have run(rows) and rebind(addresses) to repeat them (stats/plans.py)
     accumulate_many: Callable
-    # (t, scale) -> bool: t may go to accumulate_many (small tensors / large tiled ones)
+    # (t, scale, name) -> bool: t may go to accumulate_many (small tensors / large tiled ones)
     batchable: Callable
     tileable: Callable
     # t -> bool: a launch reads t's own memory (not a copy), so its address may be kept
     viewable: Callable
-    # t -> bool, and (grads, out, rows) -> launch with run(out)/rebind(addresses): the
+    # (t, name) -> bool, and (grads, out, rows) -> launch with run(out)/rebind(addresses): the
     # gradient sentinel's kernel; None where only the twin in stats/sentinel.py runs
     sentinel_launchable: Optional[Callable] = None
     sentinel_launch: Optional[Callable] = None
 
 
-def _reference_accumulate(t: torch.Tensor, row: torch.Tensor, scale=1.0) -> None:
+def _reference_accumulate(t: torch.Tensor, row: torch.Tensor, scale=1.0, name="torch") -> None:
     if t.numel():
         merge_into(row, reference_row(t, scale))
 

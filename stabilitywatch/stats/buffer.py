@@ -34,6 +34,7 @@ class StatsBuffer:
                             f"got {type(backend).__name__}")
         self.ops = backend
         self.backend = backend.name
+        self._accumulate = backend.accumulate   # the hot path: one lookup less per call
         self.slots = SlotTable(capacity)
         # the slot table's lists, read in place on the hot path
         self.keys, self.scales = self.slots.keys, self.slots.scales
@@ -64,7 +65,7 @@ class StatsBuffer:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
         slot, row = self._prepare(t, module, role, phase, scale, overwrite)
         try:
-            self.ops.accumulate(t, row, scale)
+            self._accumulate(t, row, scale, self.backend)
         except BaseException:
             self._drop([slot])
             raise
@@ -105,7 +106,7 @@ class StatsBuffer:
             for k, slot in plan.singles:
                 t, _, _, scale = items[k]
                 self._dev[t.device].mark(slot, slot + 1)
-                ops.accumulate(t, self._dev[t.device].views[slot], scale)
+                ops.accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
             return
         if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
             # a row written twice: the last write wins, as with add() one after the other (a
@@ -119,7 +120,7 @@ class StatsBuffer:
             slot, row = self._prepare(t, module, role, phase, scale, overwrite)
             writing.append(slot)
             slots.append(slot)
-            if ops.batchable(t, scale) or ops.tileable(t, scale):
+            if ops.batchable(t, scale, self.backend) or ops.tileable(t, scale, self.backend):
                 if not ops.viewable(t):  # the table would hold a temporary copy's address
                     sig = None
                 ts, ss, ks = groups.setdefault(t.device, ([], [], []))
@@ -128,7 +129,7 @@ class StatsBuffer:
                 ks.append(k)
             else:
                 singles.append((k, slot))
-                ops.accumulate(t, row, scale)
+                ops.accumulate(t, row, scale, self.backend)
         launches = []
         for device, (ts, ss, ks) in groups.items():
             # after every _prepare: rows may have grown (a new tensor) while preparing

@@ -182,10 +182,11 @@ class SentinelStore:
     def _build(self, items: list, sig) -> Optional[_Plan]:
         groups: dict = {}
         rest: dict = {}
+        launchable = self.ops.sentinel_launchable
         for k, (r, g) in enumerate(items):
             if g.numel() == 0:
                 continue
-            if self.ops.sentinel_launchable is not None and self.ops.sentinel_launchable(g):
+            if launchable is not None and launchable(g, self.ops.name):
                 groups.setdefault((g.device, g.dtype), []).append(k)
             else:
                 rest.setdefault(g.device, []).append(k)
