@@ -136,3 +136,13 @@ def test_rows_written_unseen_by_compiled_code_are_reset():
         accumulate(y, rows[slot], scale, "torch")
         buf.end_step()
         _check(_frame(buf), {("b", "output"): y})  # b alone, and no trace of the last step
+
+
+def test_the_buffer_takes_a_row_backend_not_a_name():
+    # stats/ does not import kernels/: the kernels reach the buffer as a RowBackend
+    with pytest.raises(TypeError, match="kernel_backend"):
+        StatsBuffer("triton")
+    assert StatsBuffer().backend == "torch"
+    assert StatsBuffer(kernel_backend("auto")).backend == "auto"
+    with pytest.raises(ValueError, match="backend must be"):
+        kernel_backend("cuda")
