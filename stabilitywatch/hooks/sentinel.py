@@ -22,6 +22,7 @@ class SentinelTap:
         self.active = active                      # a step is open and the live model runs
         self.local = local or (lambda t, m, r: t)
         self.keys = [(name, param_role(pn, "grad")) for name, pn, _ in params]
+        self._plain = [p for _, _, p in params]
         store.set_keys(self.keys)
         self.handles: list = []
         # without an optimizer the sentinel runs when the last gradient of backward is ready
@@ -107,10 +108,13 @@ class SentinelTap:
         if self.failed:
             return
         try:
+            self._freeze_order()
+            if self.store.write_again(self._plain):   # the gradients where they were last step
+                self.written = True
+                return
             items = [(k, self.local(p.grad.detach(), *self.keys[k]))
                      for k, (_, _, p) in enumerate(self.params)
                      if p.grad is not None and p.grad.is_floating_point()]
-            self._freeze_order()
             if not items:
                 return
             self.store.write(items)
