@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+import torch
+
 from .taps import _eager, param_role
 
 log = logging.getLogger("stabilitywatch")
@@ -23,6 +25,8 @@ class SentinelTap:
         self.local = local or (lambda t, m, r: t)
         self.keys = [(name, param_role(pn, "grad")) for name, pn, _ in params]
         self._plain = [p for _, _, p in params]
+        # the last full write saw plain tensors only (not DTensors, read through `local`)
+        self._again = False
         store.set_keys(self.keys)
         self.handles: list = []
         # without an optimizer the sentinel runs when the last gradient of backward is ready
@@ -109,7 +113,7 @@ class SentinelTap:
             return
         try:
             self._freeze_order()
-            if self.store.write_again(self._plain):   # the gradients where they were last step
+            if self._again and self.store.write_again(self._plain):   # gradients not moved
                 self.written = True
                 return
             items = [(k, self.local(p.grad.detach(), *self.keys[k]))
@@ -118,6 +122,7 @@ class SentinelTap:
             if not items:
                 return
             self.store.write(items)
+            self._again = all(type(p.grad) is torch.Tensor for p in self._plain)
             self.written = True
         except Exception as e:
             self.failed = True
