@@ -90,9 +90,17 @@ def main(argv: "list[str] | None" = None) -> int:
     store.set_keys([("m", str(i)) for i in range(n)])
     items = list(enumerate(grads))
     store.write(items)
-    row("SentinelStore.write (the taps' path)", t(lambda: store.write(items)),
+    row("SentinelStore.write (each gradient checked, plan kept)", t(lambda: store.write(items)),
         host_us(lambda: store.write(items)) if device == "cuda" else float("nan"),
         "plan kept, same addresses")
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for q, g in zip(params, grads):
+        q.grad = g
+    store.write(items)
+    assert store.write_again(params)
+    row("SentinelStore.write_again (the taps' path)", t(lambda: store.write_again(params)),
+        host_us(lambda: store.write_again(params)) if device == "cuda" else float("nan"),
+        "gradients where they were")
     ref_out = torch.zeros_like(out)
     row("pure-torch twin", t(lambda: sentinel_reference(grads, ref_out, slots)))
     found = torch.zeros((), device=device)

@@ -14,4 +14,4 @@ def test_bench_sentinel_smoke(capsys):
     assert bench_sentinel.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| sentinel kernel (interpreter) |" in out and "| pure-torch twin |" in out
-    assert "| SentinelStore.write (the taps' path) |" in out
+    assert "| SentinelStore.write_again (the taps' path) |" in out

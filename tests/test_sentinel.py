@@ -296,3 +296,60 @@ def test_sentinel_runs_without_host_sync(tmp_path, monkeypatch):
     crit = [a for a in mon.alerts if a.severity.value == "critical"]
     assert (crit[0].step, crit[0].module, crit[0].tensor, crit[0].stat) == (2, "fc1", "grad",
                                                                           "inf")
+
+
+# -- the per-step path: the kept launches again, when the gradients are where they were -------
+def _frame_of(store, step):
+    return store.frame(store.end_step(step))
+
+
+def test_write_again_rereads_the_gradients_in_place_and_refuses_moved_ones():
+    from stabilitywatch.stats.sentinel_store import SentinelStore
+    params = [nn.Parameter(torch.zeros(n)) for n in SIZES if n]
+    store = SentinelStore("torch")
+    store.set_keys([("m", str(k)) for k in range(len(params))])
+    assert not store.write_again(params)                 # nothing written yet
+    for p, g in zip(params, _grads(torch.float32, [p.numel() for p in params])):
+        p.grad = g
+    store.write([(k, p.grad) for k, p in enumerate(params)])
+    _frame_of(store, 0)
+    for p in params:                                     # new values at the same addresses
+        p.grad.mul_(3.0)
+    assert store.write_again(params)
+    f = _frame_of(store, 1)
+    for k, p in enumerate(params):
+        exp = _expected(p.grad)
+        assert [f.nonfinite[k], f.absmax[k], f.nan[k]] == [exp[0], exp[1], exp[3]]
+        assert f.sumsq[k] == pytest.approx(exp[2], rel=1e-12) and f.present[k]
+    params[1].grad = params[1].grad.clone()              # elsewhere: the full write checks it
+    assert not store.write_again(params)
+    store.write([(k, p.grad) for k, p in enumerate(params)])
+    assert store.write_again(params)
+    params[0].grad = None                                # a missing gradient: the full write
+    assert not store.write_again(params)
+    store.write([(k, p.grad) for k, p in enumerate(params) if p.grad is not None])
+    assert not store.write_again(params)                 # that step's rows were not every row
+
+
+def test_monitored_steps_take_the_kept_launch_and_still_name_a_nan(tmp_path):
+    """With gradients zeroed in place (the same addresses every step), every step after the
+    first takes write_again, and a NaN on an unsampled step is still named at its step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with sw.watch(model, opt, config=sw.Config(every=10, warmup=0, sinks=("jsonl",)),
+                  run_dir=tmp_path) as mon:
+        store = mon.buffer.sentinel
+        for step in range(6):
+            x = torch.randn(16, 8, generator=g)
+            with mon.step(step, batch=x):
+                model(x).square().mean().backward()
+                if step == 4:
+                    with torch.no_grad():
+                        model.fc2.bias.grad[1] = float("nan")
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+        assert store.launches == 6 and store.again == 5
+    crit = [a for a in mon.alerts if a.severity.value == "critical"]
+    assert crit and (crit[0].step, crit[0].module, crit[0].tensor) == (4, "fc2", "grad.bias")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+import torch
+
 from .taps import _eager, param_role
 
 log = logging.getLogger("stabilitywatch")
@@ -22,6 +24,9 @@ class SentinelTap:
         self.active = active                      # a step is open and the live model runs
         self.local = local or (lambda t, m, r: t)
         self.keys = [(name, param_role(pn, "grad")) for name, pn, _ in params]
+        self._plain = [p for _, _, p in params]
+        # the last full write saw plain tensors only (not DTensors, read through `local`)
+        self._again = False
         store.set_keys(self.keys)
         self.handles: list = []
         # without an optimizer the sentinel runs when the last gradient of backward is ready
@@ -107,13 +112,17 @@ class SentinelTap:
         if self.failed:
             return
         try:
+            self._freeze_order()
+            if self._again and self.store.write_again(self._plain):   # gradients not moved
+                self.written = True
+                return
             items = [(k, self.local(p.grad.detach(), *self.keys[k]))
                      for k, (_, _, p) in enumerate(self.params)
                      if p.grad is not None and p.grad.is_floating_point()]
-            self._freeze_order()
             if not items:
                 return
             self.store.write(items)
+            self._again = all(type(p.grad) is torch.Tensor for p in self._plain)
             self.written = True
         except Exception as e:
             self.failed = True

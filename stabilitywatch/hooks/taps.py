@@ -28,9 +28,11 @@ def _eager(fn):
     return disable(fn) if disable is not None else fn
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
 def _compiling() -> bool:
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(fn and fn())
+    return bool(_is_compiling())
 
 
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
@@ -142,8 +144,12 @@ class Taps:
         eager = _eager(eager)
 
         def hook(mod, args, output):
-            if self.traced is not None and _compiling() and not self.is_on(Role.INPUT):
+            is_on = self.is_on
+            if self.traced is not None and _compiling() and not is_on(Role.INPUT):
                 return self._traced_forward(name, output)
+            # most steps read nothing in the forward: answered before any wrapper is entered
+            if not (is_on(Role.OUTPUT) or is_on(Role.INPUT) or is_on(Role.GRAD_OUTPUT)):
+                return None
             return eager(mod, args, output)
         return hook
 

@@ -119,6 +119,7 @@ class SentinelLaunch:
         self.grid = len(progs) // 2
         self.consts = dict(ELT_=ELT[dtype], BLOCK_=blk, ITERS_=its)
         self.warps = 8 if self.cuda else 4
+        self._bound = _launch.bind(self.consts, self.warps) if self.cuda else None
 
     def rebind(self, addrs: list) -> bool:
         """The same launch on tensors like the first ones (sizes, order) at new addresses."""
@@ -132,7 +133,7 @@ class SentinelLaunch:
         if self.grid == 0:
             return
         if self.cuda:
-            _launch(self.grid, (self.table, self.chunks, out), self.consts, self.warps)
+            self._bound(self.grid, (self.table, self.chunks, out))
         else:  # the interpreter
             _sentinel_kernel[(self.grid,)](self.table, self.chunks, out, **self.consts,
                                            num_warps=self.warps)

@@ -23,8 +23,21 @@ FLT_MIN = 2.0 ** -126          # float32's smallest normal
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
+_SANE: dict = {}               # host scale -> its sane value: a record reads one per tensor
+
+
 def effective_scale(s: float) -> float:
     """The sane float32 value of a host scale (a Python float), as a Python float."""
+    got = _SANE.get(s)
+    if got is None:
+        got = _sane(s)
+        if len(_SANE) > 1024:   # scales that change every step (delayed scaling) stay bounded
+            _SANE.clear()
+        _SANE[s] = got
+    return got
+
+
+def _sane(s: float) -> float:
     s = abs(float(s))
     if math.isnan(s):
         return math.inf

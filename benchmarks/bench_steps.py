@@ -1,0 +1,222 @@
+"""The monitor's cost on the training steps users run, same-run ratios, in one run:
+
+    python benchmarks/bench_steps.py [--models "gpt2;gpt2-compiled;llama;llama-fp8"]
+        [--configs "none;default;every=1"] [--repeats 2] [--breakdown llama]
+    python benchmarks/bench_steps.py --smoke          # CPU: tiny shapes
+
+Models (from configs, random init, fused AdamW on the GPU): HF GPT-2 small (`GPT2Config()`,
+batch 16 x 1024, bf16 autocast), eager and under `torch.compile`; HF Llama (8 layers, d 1024,
+ffn 2816, 16 heads, vocab 32000, batch 8 x 1024, bf16 autocast), eager; the same Llama in bf16
+under torchao float8 training (tensorwise) and `torch.compile` (the wheel carried to the GPU
+machine). Configurations: no monitor (`none`), the default `Config()` (`default`), and
+`Config(every=1)` (`every=1`); a `,nocap` suffix adds `capture=()` (no snapshots or bundles),
+`,nosinks` adds `sinks=()`, `,nosentinel` adds `sentinel=False`. ms/step is the mean over steps
+15-44 with one sync at the end (three sampled steps of the default config: 20, 30, 40), the
+median round; the overhead range is over rounds, each against its own round's baseline.
+
+`--breakdown MODEL` profiles 4 steps of each configuration of that model (torch.profiler, CUDA
+activity): per step, the GPU time of the monitor's Triton kernels, of every kernel and copy,
+the GPU's idle time inside the step (where it waited for the host), and the launches; the
+monitor's share is the difference from `none`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import stabilitywatch as sw
+
+MODELS = ["gpt2", "gpt2-compiled", "llama", "llama-fp8"]
+OURS = ("_sentinel_kernel", "_multi_row_kernel", "_tile_stats_kernel", "_row_stats_kernel",
+        "_multi_tile_kernel")
+
+
+def build(model: str, device: str, smoke: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if model.startswith("gpt2"):
+        cfg = (GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+               if smoke else GPT2Config())
+        m, batch, seq = GPT2LMHeadModel(cfg), (2 if smoke else 16), (32 if smoke else 1024)
+        vocab = cfg.vocab_size
+    else:
+        d = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4) if smoke else dict(
+                 vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                 num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16)
+        m, batch, seq = LlamaForCausalLM(LlamaConfig(**d, max_position_embeddings=1024)), \
+            (2 if smoke else 8), (32 if smoke else 1024)
+        vocab = d["vocab_size"]
+    m = m.to(device)
+    if model == "llama-fp8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        if device == "cuda":
+            m = m.to(torch.bfloat16)
+        convert_to_float8_training(m, config=Float8LinearConfig(emulate=device != "cuda"),
+                                   module_filter_fn=lambda mod, name: name != "lm_head")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    fwd = torch.compile(m) if model.endswith(("compiled", "fp8")) else m
+    return m, fwd, opt, ids
+
+
+def config(kind: str):
+    if kind == "none":
+        return None
+    base, *flags = kind.split(",")
+    kw = {"every": 1} if base == "every=1" else {}
+    for f in flags:
+        kw.update({"nocap": {"capture": ()}, "nosinks": {"sinks": ()},
+                   "nosentinel": {"sentinel": False}}[f])
+    return sw.Config(**kw)
+
+
+def step(fwd, opt, ids, mon, i, device):
+    ctx = mon.step(i, batch=ids) if mon else _null()
+    with ctx:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = fwd(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                               ids[:, 1:].reshape(-1))
+        loss.backward()
+        if mon:
+            mon.observe_loss(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def run(model, kind, device, smoke, out, profile=None):
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    m, fwd, opt, ids = build(model, device, smoke)
+    cfg = config(kind)
+    mon = sw.watch(m, opt, config=cfg, run_dir=out) if cfg is not None else None
+    warm, steps = (2, 3) if smoke else (15, 30)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = 0.0
+    for i in range(warm + steps):
+        if i == warm:
+            sync()
+            t0 = time.perf_counter()
+        step(fwd, opt, ids, mon, i, device)
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    prof = None
+    if profile is not None:   # 4 steps, the first of them sampled by the default config
+        from torch.profiler import ProfilerActivity, profile as _profile
+        first = warm + steps + (-(warm + steps)) % 10
+        for i in range(warm + steps, first):
+            step(fwd, opt, ids, mon, i, device)
+        sync()
+        with _profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for i in range(first, first + 4):
+                step(fwd, opt, ids, mon, i, device)
+            sync()
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "trace.json")
+        p.export_chrome_trace(path)
+        prof = gpu_breakdown(path, 4)
+    alerts = 0
+    if mon:
+        mon.close()
+        alerts = len(mon.alerts)
+    return ms, prof, alerts
+
+
+def gpu_breakdown(path: str, steps: int) -> dict:
+    """Per step: the monitor's Triton kernels' time, every kernel's and copy's, the GPU's idle
+    time between the first and the last of them, the launches (ms, ms, ms, count)."""
+    with open(path) as f:
+        ev = [e for e in json.load(f)["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not ev:
+        return {}
+    ev.sort(key=lambda e: e["ts"])
+    ours = sum(e["dur"] for e in ev if e["name"].startswith(OURS))
+    busy, end = 0.0, ev[0]["ts"]
+    for e in ev:   # the union of the busy intervals
+        s, t = max(e["ts"], end), e["ts"] + e["dur"]
+        if t > s:
+            busy += t - s
+        end = max(end, t)
+    span = end - ev[0]["ts"]
+    n = sum(1 for e in ev if e["name"].startswith(OURS))
+    return dict(ours=ours / 1e3 / steps, busy=busy / 1e3 / steps,
+                idle=(span - busy) / 1e3 / steps, launches=len(ev) / steps,
+                our_launches=n / steps)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=";".join(MODELS))
+    p.add_argument("--configs", default="none;default;every=1")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--breakdown", default="", help="a model to profile (4 steps per config)")
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    smoke = a.smoke or device == "cpu"
+    models = [m for m in a.models.split(";") if m]
+    kinds = [k for k in a.configs.split(";") if k]
+    if "none" not in kinds or any(m not in MODELS for m in models):
+        p.error(f"--models from {MODELS}; --configs must include none")
+    for k in kinds:
+        config(k)   # a bad name fails before any run
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    res: dict = {}
+    brk: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            for mdl in models:
+                for i, kind in enumerate(kinds):
+                    prof = mdl == a.breakdown and r == 0
+                    ms, b, n = run(mdl, kind, device, smoke, f"{tmp}/{r}-{mdl}-{i}",
+                                   profile=True if prof else None)
+                    res.setdefault((mdl, kind), []).append((ms, n))
+                    if prof:
+                        brk[kind] = b
+                    print(f"# round {r} {mdl} {kind}: {ms:.2f} ms/step, {n} alerts", flush=True)
+    print(f"# bench_steps on {name}, torch {torch.__version__}; steps 15-44, {a.repeats} "
+          f"round(s)")
+    print("| model | configuration | ms/step | overhead | range | alerts |")
+    print("|---|---|---:|---:|---|---:|")
+    for mdl in models:
+        base = res[(mdl, "none")]
+        for kind in kinds:
+            over = sorted(v[0] / b[0] - 1 for v, b in zip(res[(mdl, kind)], base))
+            med = sorted(v[0] for v in res[(mdl, kind)])[len(base) // 2]
+            bmed = sorted(v[0] for v in base)[len(base) // 2]
+            print(f"| {mdl} | {kind} | {med:.2f} | {med / bmed - 1:+.1%} | {over[0]:+.1%} .. "
+                  f"{over[-1]:+.1%} | {res[(mdl, kind)][0][1]} |")
+    if brk:
+        print(f"\n{a.breakdown}, per step over 4 profiled steps (the first sampled by the default):")
+        print("| configuration | monitor kernels ms | GPU busy ms | GPU idle ms | launches | "
+              "monitor launches |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for kind, b in brk.items():
+            if b:
+                print(f"| {kind} | {b['ours']:.2f} | {b['busy']:.2f} | {b['idle']:.2f} | "
+                      f"{b['launches']:.0f} | {b['our_launches']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
