@@ -30,6 +30,7 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 SCENARIOS = [
     ("ddp", "ddp_bitflip", {}),
     ("ddp_per_rank", "ddp_bitflip", {"dist_mode": "per_rank"}),
+    ("ddp_gather", "ddp_bitflip", {"dist_merge": "gather"}),
     ("nan", "nan_one_rank", {}),
     ("fsdp2", "fsdp2", {}),
     ("dtensor", "dtensor_by_hand", {}),
@@ -72,6 +73,27 @@ def test_ddp_bit_flip_is_named_by_the_divergence_detector(spawned):
     assert not (out / "ddp" / "alerts.rank1.jsonl").exists()
     assert not (out / "ddp" / "stats.rank1.jsonl").exists()
     assert r0["flushes"] == r1["flushes"] == 9 and r0["collectives"] == r1["collectives"]
+
+
+@needs_gloo
+def test_ddp_reduction_and_all_gather_agree(spawned):
+    """dist_merge="gather" (one all-gather of every rank's rows) gives the same records and
+    the same divergence alert as the default reduction."""
+    out, run = spawned
+    g0, _ = _ok(out, run, "ddp_gather")
+    r0, _ = _ok(out, run, "ddp")
+    key = ("step", "rank", "module", "tensor", "stat", "value")
+    assert [tuple(a[k] for k in key) for a in g0["alerts"]] == \
+        [tuple(a[k] for k in key) for a in r0["alerts"]]
+    red = {(r["step"], r["module"], r["tensor"]): r["stats"]
+           for r in read_jsonl(out / "ddp" / "stats.jsonl")}
+    gat = {(r["step"], r["module"], r["tensor"]): r["stats"]
+           for r in read_jsonl(out / "ddp_gather" / "stats.jsonl")}
+    assert red.keys() == gat.keys()
+    for k in red:
+        for s in red[k]:
+            assert red[k][s] == pytest.approx(gat[k][s], rel=1e-9, nan_ok=True), (k, s)
+    assert r0["collectives"] > g0["collectives"]    # a few small reductions per flush
 
 
 @needs_gloo

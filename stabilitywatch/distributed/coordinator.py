@@ -81,52 +81,11 @@ class Coordinator:
         return config
 
     def annotate(self, frame, alerts: list) -> list:
-        """Alerts on merged rows name the rank(s) whose rows hold them (non-finite values; the
-        largest |x| for physics and overflow), and the shard where the row is one."""
-        if not alerts or not isinstance(getattr(frame, "bad_ranks", None), dict):
-            return alerts
-        return [self._annotate_one(frame, a) for a in alerts]
+        return alerts
 
-    def _annotate_one(self, frame, a):
-        import dataclasses
-        key = (a.module, a.tensor)
-        i = frame.index(*key)
-        if a.detector == "nonfinite":
-            r = frame.sentinel_bad.get(key) if a.extra.get("source") == "sentinel" else None
-            if r is None and i is not None:
-                r = frame.bad_range.get(i)
-                if r is None and frame.bad_ranks.get(i):
-                    ranks = frame.bad_ranks[i]
-                    r = (min(ranks), max(ranks), len(ranks))
-            if r is None:
-                return a
-            lo, hi, n = r
-            where = (f"rank {lo}" if lo == hi else f"ranks {lo}..{hi} ({n} ranks)")
-            extra = {**a.extra, "ranks": reduce.listed(r), "rank_range": [lo, hi],
-                     "rank_count": n}
-        elif a.detector in ("physics", "overflow") and i is not None \
-                and i in frame.absmax_rank:
-            lo = frame.absmax_rank[i]
-            where = f"largest |x| on rank {lo}"
-            extra = {**a.extra, "ranks": [lo]}
-        else:
-            return a
-        shard = self._shard(key, lo)
-        if shard is not None:
-            extra["shard"] = shard
-            where += f", its shard: rows {shard['rows'][0]}..{shard['rows'][1] - 1}"
-        return dataclasses.replace(a, rank=lo, extra=extra,
-                                   message=f"{a.message} [{where} of {self.world}]")
-
-    def _shard(self, key, rank: int):
-        """The dim-0 rows of the unsharded tensor that `rank` holds (FSDP2's Shard(0))."""
-        pl = self._placement.get(key)
-        if pl is None or not pl[0] or key not in self._rows0:
-            return None
-        n, ranks = self._rows0[key]
-        per = -(-n // ranks)     # torch.chunk: ceil(n / ranks) rows per rank, the last shorter
-        lo = min(rank * per, n)
-        return {"rank": rank, "of": ranks, "rows": [lo, min(lo + per, n)], "dim0": n}
+    def record_fields(self, frame) -> dict:
+        """Extra keys of a frame's stats records: {"merged": bool} in a distributed run."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -347,22 +306,52 @@ class DistCoordinator(Coordinator):
         return {"merged": bool(getattr(frame, "merged", False))}
 
     def annotate(self, frame, alerts: list) -> list:
-        """Non-finite alerts name the rank(s) whose rows hold the values."""
-        bad = getattr(frame, "bad_ranks", None)
-        if not bad or not alerts:
+        """Alerts on merged rows name the rank(s) whose rows hold them (non-finite values; the
+        largest |x| for physics and overflow), and the shard where the row is one."""
+        if not alerts or not isinstance(getattr(frame, "bad_ranks", None), dict):
             return alerts
+        return [self._annotate_one(frame, a) for a in alerts]
+
+    def _annotate_one(self, frame, a):
         import dataclasses
-        out = []
-        for a in alerts:
-            i = frame.index(a.module, a.tensor) if a.detector == "nonfinite" else None
-            ranks = bad.get(i) if i is not None else None
-            if ranks:
-                where = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-                a = dataclasses.replace(
-                    a, rank=ranks[0], extra={**a.extra, "ranks": ranks},
-                    message=f"{a.message} [{where} of {self.world}]")
-            out.append(a)
-        return out
+        key = (a.module, a.tensor)
+        i = frame.index(*key)
+        if a.detector == "nonfinite":
+            r = frame.sentinel_bad.get(key) if a.extra.get("source") == "sentinel" else None
+            if r is None and i is not None:
+                r = frame.bad_range.get(i)
+                if r is None and frame.bad_ranks.get(i):
+                    ranks = frame.bad_ranks[i]
+                    r = (min(ranks), max(ranks), len(ranks))
+            if r is None:
+                return a
+            lo, hi, n = r
+            where = (f"rank {lo}" if lo == hi else f"ranks {lo}..{hi} ({n} ranks)")
+            extra = {**a.extra, "ranks": reduce.listed(r), "rank_range": [lo, hi],
+                     "rank_count": n}
+        elif a.detector in ("physics", "overflow") and i is not None \
+                and i in frame.absmax_rank:
+            lo = frame.absmax_rank[i]
+            where = f"largest |x| on rank {lo}"
+            extra = {**a.extra, "ranks": [lo]}
+        else:
+            return a
+        shard = self._shard(key, lo)
+        if shard is not None:
+            extra["shard"] = shard
+            where += f", its shard: rows {shard['rows'][0]}..{shard['rows'][1] - 1}"
+        return dataclasses.replace(a, rank=lo, extra=extra,
+                                   message=f"{a.message} [{where} of {self.world}]")
+
+    def _shard(self, key, rank: int):
+        """The dim-0 rows of the unsharded tensor that `rank` holds (FSDP2's Shard(0))."""
+        pl = self._placement.get(key)
+        if pl is None or not pl[0] or key not in self._rows0:
+            return None
+        n, ranks = self._rows0[key]
+        per = -(-n // ranks)     # torch.chunk: ceil(n / ranks) rows per rank, the last shorter
+        lo = min(rank * per, n)
+        return {"rank": rank, "of": ranks, "rows": [lo, min(lo + per, n)], "dim0": n}
 
     def close(self) -> None:
         if self.group is not None and not self.detached:
