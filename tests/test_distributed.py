@@ -198,12 +198,14 @@ def test_rank_leaving_early_does_not_stall_the_others(spawned):
 
 @needs_gloo
 def test_a_killed_rank_leaves_the_others_going(tmp_path):
-    run = run_ranks(tmp_path, [("rank_dies", {})], world=2, timeout=45)
+    # the deadline covers process start-up on a loaded machine; the loop's own time is bounded
+    # below (dist_timeout is 5 s)
+    run = run_ranks(tmp_path, [("rank_dies", {})], world=2, timeout=90)
     assert not run["hung"], run
     assert run["exitcodes"][1] == 17
     r0 = results(tmp_path, "rank_dies")[0]
     assert r0 is not None and r0["ok"], r0
-    assert r0["detached"]
+    assert r0["detached"] and r0["seconds_in_loop"] < 30, r0
     recs = read_jsonl(tmp_path / "rank_dies" / "stats.jsonl")    # every line parses
     assert sorted({r["step"] for r in recs}) == list(range(6))
     assert any(r["merged"] for r in recs) and any(not r["merged"] for r in recs)
