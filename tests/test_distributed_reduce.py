@@ -283,3 +283,25 @@ def test_per_rank_mode_exchanges_fingerprints_only():
             assert [(a.rank, a.module, a.tensor) for a in alerts] == [(2, "m", "bias")]
         else:
             assert alerts == []
+
+
+def test_the_distributed_layer_takes_a_run_info_not_the_monitor():
+    import ast
+    import pathlib
+
+    import stabilitywatch as sw
+    from stabilitywatch.distributed import make_coordinator
+    from stabilitywatch.distributed.runinfo import RunInfo
+    from stabilitywatch.stats.buffer import StatsBuffer
+    pkg = pathlib.Path(rounds.__file__).parent
+    for f in pkg.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert "monitor" not in node.module.split("."), (f.name, node.module)
+    released = []
+    run = RunInfo(rank=0, world_size=1, config=sw.Config(), has_optimizer=False,
+                  release=released.append)
+    coord = make_coordinator(run)
+    assert not coord.active and coord.run is run
+    buf = StatsBuffer(backend="torch", capacity=4)
+    assert coord.frames(buf, final=True) == []
