@@ -24,15 +24,15 @@ def _gpt2():
     return GPT2LMHeadModel(cfg)
 
 
-def _wrap(model, wrap: str, world: int):
-    """(module to call, module whose names the monitor sees, prefix of the names)."""
+def _wrap(model, wrap: str, world: int, dev: torch.device):
+    """(module to call, prefix of the names the monitor sees)."""
     if wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model)
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
         return ddp, "module."
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev.type, (world,))
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -46,27 +46,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _digest(model) -> str:
     h = hashlib.sha256()
     for _, p in sorted(model.named_parameters()):
-        h.update(_local(p.detach()).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_local(p.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def _batches(rank: int, n: int):
+def _batches(rank: int, n: int, dev: torch.device):
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(0, 96, (2, 16), generator=g) for _ in range(n)]
+    return [torch.randint(0, 96, (2, 16), generator=g).to(dev) for _ in range(n)]
 
 
-def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8):
+def _device(device: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+
+def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu"):
     """A NaN in rank 1's shard of one gradient on an unsampled step, the guard on: both ranks
     skip that step; rank 0's incident names rank 1, the module, the role (and the shard)."""
-    model = _gpt2()
-    net, prefix = _wrap(model, wrap, world)
+    dev = _device(device, rank)
+    model = _gpt2().to(dev)
+    net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), on_nonfinite="skip",
                     dist_timeout=60)
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
     before = after = None
-    for step, ids in enumerate(_batches(rank, steps)):
+    for step, ids in enumerate(_batches(rank, steps, dev)):
         if step == nan_step:
             before = _digest(model)
         with mon.step(step, batch=ids):
@@ -81,21 +86,23 @@ def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8):
         if step == nan_step:
             after = _digest(model)
     mon.close()
-    finite = all(bool(torch.isfinite(_local(p.detach())).all()) for p in model.parameters())
+    finite = all(bool(torch.isfinite(_local(p.detach())).all())   # sync-ok: after the run
+                 for p in model.parameters())
     return {"alerts": [a.to_dict() for a in mon.alerts], "unchanged_at_nan": before == after,
             "digest": _digest(model), "finite": finite, "module": prefix + BLOCK,
             "local_shape": list(_local(target.detach()).shape)}
 
 
-def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5):
+def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5, device="cpu"):
     """A flipped exponent bit in rank 1's copy (DDP) or shard (FSDP2) of one weight."""
-    model = _gpt2()
-    net, prefix = _wrap(model, wrap, world)
+    dev = _device(device, rank)
+    model = _gpt2().to(dev)
+    net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(), dist_timeout=60)
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
-    for step, ids in enumerate(_batches(rank, steps)):
+    for step, ids in enumerate(_batches(rank, steps, dev)):
         if step == flip_step and rank == 1:
             with torch.no_grad():
                 _local(target.data).view(-1).view(torch.int32)[3] ^= 1 << 30
