@@ -1,4 +1,4 @@
-"""Cost of the distributed flush (one collective per flush) in a DDP job.
+"""Cost of the distributed flush in a DDP job: the reduction (the default) and the all-gather.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_dist.py [--steps 50] [--out DIR]
     python benchmarks/bench_dist.py --smoke [--out DIR]   # 2 processes, gloo, CPU, tiny sizes
@@ -8,10 +8,12 @@ step (`every=1`, the worst case for the flush payload). Configurations, measured
 and interleaved:
 - no monitor;
 - per-rank, no exchange (dist_mode="per_rank", dist_divergence=False): no collective at all;
-- rank0 via a gloo side group (the default), flush every step / every 10 steps;
+- rank0 via a gloo side group (the default: merged by reduction), flush every step / every 10;
+- the same with dist_merge="gather" (one all-gather of every rank's rows);
 - rank0 via the job's own group (dist_backend="default": NCCL on the GPU).
 Reported on rank 0: median ms/step, overhead against the monitor without collectives, mean
-time of one flush (pack + collective + merge) and of its collective alone, bytes per rank.
+time of one flush (pack + collectives + merge) and of its collectives alone, bytes each rank
+sends and receives per flush.
 Writes bench_dist.csv and bench_dist.md to --out; prints the markdown table last.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ def configs(smoke: bool) -> dict:
         "per-rank, no collective": sw.Config(**base, dist_mode="per_rank", dist_divergence=False),
         "rank0, gloo side group, flush every step": sw.Config(**base),
         "rank0, gloo side group, flush every 10": sw.Config(**base, dist_flush_every=10),
+        "rank0, gloo, all-gather, flush every step": sw.Config(**base, dist_merge="gather"),
         "rank0, job group (nccl), flush every step": sw.Config(**base, dist_backend="default"),
     }
     return out
@@ -69,13 +72,16 @@ def run_config(name, cfg, a, device, tmp) -> dict:
                        .replace(",", "").replace("(", "").replace(")", ""))
         if mon.dist.active:
             _time(mon.dist, "_flush", flush_t)
+            _time(mon.dist, "_reduce", flush_t)
             _time(mon.dist, "_gather", gather_t)
+            _time(mon.dist.comm, "all_reduce", gather_t)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
-    times, start = [], 0
+    times, start, start_c, start_b = [], 0, 0, 0
     for step in range(a.warmup + a.steps):
         x = data[step % len(data)]
-        if step == a.warmup:
-            start = len(flush_t)     # flushes of the timed steps only (not warm-up, not close)
+        if step == a.warmup:   # flushes of the timed steps only (not warm-up, not close)
+            start, start_c = len(flush_t), len(gather_t)
+            start_b = mon.dist.bytes_sent if mon is not None and mon.dist.active else 0
         t0 = time.perf_counter()
         ctx = mon.step(step, batch=x) if mon is not None else _null()
         with ctx:
@@ -90,17 +96,21 @@ def run_config(name, cfg, a, device, tmp) -> dict:
             torch.cuda.synchronize()
         if step >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    nbytes = 0
+    nbytes = received = 0
     if mon is not None:
-        nbytes = mon.dist.capacity if mon.dist.active else 0
-        end = len(flush_t)
+        end, end_c = len(flush_t), len(gather_t)
+        if mon.dist.active and end > start:
+            nbytes = (mon.dist.bytes_sent - start_b) / (end - start)
+            # an all-reduce returns what it was given; an all-gather returns world x it
+            received = nbytes * (dist.get_world_size() if cfg.dist_merge.value == "gather"
+                                 else 1)
         mon.close()
-        flush_t, gather_t = flush_t[start:end], gather_t[start:end]
+        flush_t, gather_t = flush_t[start:end], gather_t[start_c:end_c]
     del ddp, model, opt
     return {"config": name, "ms_step": statistics.median(times),
             "flush_ms": statistics.mean(flush_t) * 1e3 if flush_t else 0.0,
-            "collective_ms": statistics.mean(gather_t) * 1e3 if gather_t else 0.0,
-            "flushes": len(flush_t), "bytes_per_rank": nbytes}
+            "collective_ms": sum(gather_t) / len(flush_t) * 1e3 if flush_t else 0.0,
+            "flushes": len(flush_t), "bytes_per_rank": nbytes, "received_per_rank": received}
 
 
 def _time(obj, attr, sink):
@@ -148,18 +158,21 @@ def summarise(rows, a, device, backend) -> str:
     for r in rows:
         by.setdefault(r["config"], []).append(r)
     med = {k: {f: statistics.median(x[f] for x in v) for f in
-               ("ms_step", "flush_ms", "collective_ms", "bytes_per_rank")}
+               ("ms_step", "flush_ms", "collective_ms", "bytes_per_rank",
+                "received_per_rank")}
            for k, v in by.items()}
     ref = med.get("per-rank, no collective", {}).get("ms_step")
     what = (f"{dist_world(a)} ranks, {backend} job, {device.type}; {a.layers} MLP blocks of "
             f"d={a.dim}, batch {a.batch}; median of {a.steps} steps x {a.repeats}")
     lines = [f"Flush overhead ({what})", "",
-             "| configuration | ms/step | vs per-rank | flush ms | collective ms | bytes/rank |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| configuration | ms/step | vs per-rank | flush ms | collectives ms | "
+             "sent B/rank | received B/rank |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for k, m in med.items():
         rel = f"{(m['ms_step'] / ref - 1) * 100:+.1f}%" if ref and k != "no monitor" else "-"
         lines.append(f"| {k} | {m['ms_step']:.2f} | {rel} | {m['flush_ms']:.3f} | "
-                     f"{m['collective_ms']:.3f} | {int(m['bytes_per_rank'])} |")
+                     f"{m['collective_ms']:.3f} | {int(m['bytes_per_rank'])} | "
+                     f"{int(m['received_per_rank'])} |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from .formats import ROW_FORMATS, Fmt
 from .stats.scale import FLT_MAX as _FLT_MAX, FLT_MIN as _FLT_MIN
 from .config_detectors import validate_detector_fields
 from .config_incidents import validate_incident_fields
-from .config_distributed import DistBackend, DistMode, validate_dist_fields
+from .config_distributed import DistBackend, DistMerge, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
 from .config_dashboards import validate_dashboard_fields
 from .config_sentinel import validate_sentinel_fields
@@ -266,6 +266,12 @@ class Config:
     dist_timeout: float = 300.0
     """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
     writing per-rank files."""
+    # -- cross-rank reduction (stabilitywatch/distributed/rounds.py; docs/distributed.md);
+    # checked in config_distributed.py
+    dist_merge: DistMerge = DistMerge.REDUCE
+    """"reduce": a flush is a few all-reduces (SUM, MAX) of packed rows, the same bytes per
+    rank at any world size; ranks are named by the extremes of their ids. "gather": one
+    all-gather of every rank's rows (each rank receives world x its rows)."""
     # -- sentinel, escalation and guard (README "Every step: the sentinel, escalation and the
     # guard"); checked in config_sentinel.py
     sentinel: bool = True

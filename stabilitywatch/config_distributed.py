@@ -20,8 +20,15 @@ class DistBackend(str, enum.Enum):
     DEFAULT = "default"      # the job's default group (NCCL: the payload goes through the GPU)
 
 
+class DistMerge(str, enum.Enum):
+    """How a flush combines the ranks' rows."""
+    REDUCE = "reduce"        # all-reduce (SUM, MAX) of packed rows: bytes per rank O(rows)
+    GATHER = "gather"        # one all-gather of every rank's rows: bytes received O(world x rows)
+
+
 def validate_dist_fields(cfg, set_) -> None:
-    for name, kind in (("dist_mode", DistMode), ("dist_backend", DistBackend)):
+    for name, kind in (("dist_mode", DistMode), ("dist_backend", DistBackend),
+                       ("dist_merge", DistMerge)):
         v = getattr(cfg, name)
         try:
             set_(name, kind(v.value if isinstance(v, enum.Enum) else v))

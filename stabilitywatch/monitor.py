@@ -23,6 +23,7 @@ from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
+from .distributed.runinfo import RunInfo
 from .escalation import SentinelControl
 from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
@@ -97,7 +98,9 @@ class Monitor:
         self.detectors = build_detectors(config, optimizer, self.modules)
         # torch.distributed: DTensor shards, lockstep cross-rank flushes, replica divergence
         # (distributed/coordinator.py); a pass-through in a single process
-        self.dist = make_coordinator(self)
+        self.dist = make_coordinator(RunInfo(rank=self.rank, world_size=self.world_size,
+                                             config=config, has_optimizer=optimizer is not None,
+                                             release=self._release_frame))
         self.detectors += self.dist.detectors()
         self.cooldown = Cooldown(config.alert_cooldown)
         self.incidents = Incidents(config)
@@ -382,6 +385,11 @@ class Monitor:
             except Exception as e:
                 self._warn_once("detectors", f"processing step {frame.step} failed "
                                 f"({type(e).__name__}: {e})")
+
+    def _release_frame(self, frame: StatsFrame) -> None:
+        """A frame another rank processes (rank0 mode): its capture snapshot is freed here."""
+        if self.capture is not None:
+            self.capture.on_frame(frame, [])
 
     def _handle(self, frame: StatsFrame) -> None:
         if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel

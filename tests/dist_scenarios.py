@@ -55,14 +55,14 @@ def _common(mon) -> dict:
 
 # -- DDP: a flipped bit on one rank -------------------------------------------------------------
 def ddp_bitflip(rank, world, run_dir, device="cpu", dist_backend="gloo", dist_mode="rank0",
-                flip_step=4, steps=8):
+                flip_step=4, steps=8, dist_merge="reduce"):
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     model = _mlp().to(dev)
     ddp = DDP(model, device_ids=[rank] if device == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     mon = sw.watch(ddp, opt, config=sw.Config(**QUIET, dist_backend=dist_backend,
-                                                 dist_mode=dist_mode),
+                                                 dist_mode=dist_mode, dist_merge=dist_merge),
                    run_dir=run_dir)
     frames = _keep_frames(mon)
     losses, out_numel = [], 0

@@ -1,7 +1,8 @@
 """Running test scenarios on several processes (torch.distributed, gloo on 127.0.0.1).
 
 `run_ranks` starts `world` processes with torch.multiprocessing (spawn), each joins a process
-group on a free port and runs the named scenarios of tests/dist_scenarios.py in order, writing
+group on a free port and runs the named scenarios of tests/dist_scenarios.py (or
+dist_scenarios_gpt2.py) in order, writing
 `<out>/<scenario>/result.rank{r}.json`. Nothing here can block CI: the whole run has a deadline,
 the process group and every collective have timeouts, and processes still alive at the deadline
 are killed (by their handle) and reported as hung.
@@ -35,7 +36,8 @@ def _entry(rank, world, port, out, scenarios, backend, pg_timeout):
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout))
-    import dist_scenarios as S
+    import dist_scenarios
+    import dist_scenarios_gpt2
     try:
         for item in scenarios:
             label, name, kwargs = item if len(item) == 3 else (item[0], *item)
@@ -43,7 +45,8 @@ def _entry(rank, world, port, out, scenarios, backend, pg_timeout):
             d.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
             try:
-                res = getattr(S, name)(rank, world, d, **kwargs) or {}
+                fn = getattr(dist_scenarios, name, None) or getattr(dist_scenarios_gpt2, name)
+                res = fn(rank, world, d, **kwargs) or {}
                 res["ok"] = True
             except BaseException:
                 res = {"ok": False, "error": traceback.format_exc()}

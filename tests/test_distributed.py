@@ -30,6 +30,7 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 SCENARIOS = [
     ("ddp", "ddp_bitflip", {}),
     ("ddp_per_rank", "ddp_bitflip", {"dist_mode": "per_rank"}),
+    ("ddp_gather", "ddp_bitflip", {"dist_merge": "gather"}),
     ("nan", "nan_one_rank", {}),
     ("fsdp2", "fsdp2", {}),
     ("dtensor", "dtensor_by_hand", {}),
@@ -72,6 +73,27 @@ def test_ddp_bit_flip_is_named_by_the_divergence_detector(spawned):
     assert not (out / "ddp" / "alerts.rank1.jsonl").exists()
     assert not (out / "ddp" / "stats.rank1.jsonl").exists()
     assert r0["flushes"] == r1["flushes"] == 9 and r0["collectives"] == r1["collectives"]
+
+
+@needs_gloo
+def test_ddp_reduction_and_all_gather_agree(spawned):
+    """dist_merge="gather" (one all-gather of every rank's rows) gives the same records and
+    the same divergence alert as the default reduction."""
+    out, run = spawned
+    g0, _ = _ok(out, run, "ddp_gather")
+    r0, _ = _ok(out, run, "ddp")
+    key = ("step", "rank", "module", "tensor", "stat", "value")
+    assert [tuple(a[k] for k in key) for a in g0["alerts"]] == \
+        [tuple(a[k] for k in key) for a in r0["alerts"]]
+    red = {(r["step"], r["module"], r["tensor"]): r["stats"]
+           for r in read_jsonl(out / "ddp" / "stats.jsonl")}
+    gat = {(r["step"], r["module"], r["tensor"]): r["stats"]
+           for r in read_jsonl(out / "ddp_gather" / "stats.jsonl")}
+    assert red.keys() == gat.keys()
+    for k in red:
+        for s in red[k]:
+            assert red[k][s] == pytest.approx(gat[k][s], rel=1e-9, nan_ok=True), (k, s)
+    assert r0["collectives"] > g0["collectives"]    # a few small reductions per flush
 
 
 @needs_gloo
@@ -176,12 +198,14 @@ def test_rank_leaving_early_does_not_stall_the_others(spawned):
 
 @needs_gloo
 def test_a_killed_rank_leaves_the_others_going(tmp_path):
-    run = run_ranks(tmp_path, [("rank_dies", {})], world=2, timeout=45)
+    # the deadline covers process start-up on a loaded machine; the loop's own time is bounded
+    # below (dist_timeout is 5 s)
+    run = run_ranks(tmp_path, [("rank_dies", {})], world=2, timeout=90)
     assert not run["hung"], run
     assert run["exitcodes"][1] == 17
     r0 = results(tmp_path, "rank_dies")[0]
     assert r0 is not None and r0["ok"], r0
-    assert r0["detached"]
+    assert r0["detached"] and r0["seconds_in_loop"] < 30, r0
     recs = read_jsonl(tmp_path / "rank_dies" / "stats.jsonl")    # every line parses
     assert sorted({r["step"] for r in recs}) == list(range(6))
     assert any(r["merged"] for r in recs) and any(not r["merged"] for r in recs)

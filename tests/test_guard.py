@@ -121,6 +121,8 @@ def test_guard_flag_is_reduced_across_two_gloo_ranks(tmp_path):
     assert res[0]["windows"] == res[1]["windows"] and res[0]["windows"]
     crit = [a for a in res[0]["alerts"] if a["severity"] == "critical"]
     assert crit and crit[0]["step"] == 3 and crit[0]["extra"]["skipped"] is True
-    # rank 0's own gradients were finite: the cross-rank flag names the rank that was not
+    # rank 0's own gradients were finite: the flush's merged sentinel names the rank that was
+    # not, and the gradient
     assert crit[0]["extra"]["ranks"] == [1] and crit[0]["rank"] == 1
-    assert "rank 1" in crit[0]["message"] and crit[0]["tensor"] == "grad"
+    assert "[rank 1 of 2]" in crit[0]["message"]
+    assert (crit[0]["module"], crit[0]["tensor"]) == ("2", "grad.bias")

@@ -74,25 +74,35 @@ class DivergenceDetector(Detector):
                     groups.append([r])
             if len(groups) == 1:
                 continue
-            major = max(groups, key=lambda g: (len(g), -g[0]))
+            # merged by reduction: each replica stands for the ranks at one extreme
+            info = getattr(frame, "replica_info", {}).get(i, {})
+
+            def size(g, info=info):
+                return sum(info[r][0] if r in info else 1 for r in g)
+            major = max(groups, key=lambda g: (size(g), -g[0]))
             outliers = sorted(r for g in groups if g is not major for r in g)
             # per-rank files: rank 0 and the ranks that differ report it, not every rank
             if not getattr(frame, "merged", False) and frame.rank != 0 \
                     and frame.rank not in outliers:
                 continue
-            out.append(self._alert(frame, i, reps, major, outliers))
+            out.append(self._alert(frame, i, reps, major, outliers, info))
         return out
 
-    def _alert(self, frame, i, reps, major, outliers) -> Alert:
+    def _alert(self, frame, i, reps, major, outliers, info=None) -> Alert:
         module, role = frame.keys[i]
         ref, bad = major[0], outliers[0]
         fields = differing(reps[ref], reps[bad])
         stat = fields[0]
         k = _NAMES.index(stat)
         delta = float(reps[bad][k]) - float(reps[ref][k])
-        n = len(reps)
+        info = info or {}
+        n = info.get("present", len(reps))
+        agree = sum(info[r][0] if r in info else 1 for r in major)
         who = f"rank {bad}" if len(outliers) == 1 else f"ranks {', '.join(map(str, outliers))}"
-        basis = (f"{len(major)} of {n} replicas agree" if len(major) > 1 else
+        if bad in info and info[bad][0] > 1:
+            lo, hi = info[bad][1], info[bad][2]
+            who = f"ranks {lo}..{hi} ({info[bad][0]} ranks)"
+        basis = (f"{agree} of {n} replicas agree" if agree > 1 else
                  f"{n} replicas, no majority: rank {ref} is the reference")
         detail = ", ".join(f"{f} {_fmt(reps[ref][_NAMES.index(f)])} vs "
                            f"{_fmt(reps[bad][_NAMES.index(f)])}" for f in fields)
@@ -101,6 +111,8 @@ class DivergenceDetector(Detector):
                f"after the all-reduce, optimizer state) must match bit for bit: silent data "
                f"corruption or an update that was not synchronised on {who}")
         extra = {"ranks": outliers, "reference_ranks": major,
+                 **({"rank_ranges": {str(r): list(info[r][1:]) for r in outliers + major
+                                     if r in info}} if info else {}),
                  "fields": {f: [_num(reps[ref][_NAMES.index(f)]),
                                 _num(reps[bad][_NAMES.index(f)])] for f in fields}}
         return Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,

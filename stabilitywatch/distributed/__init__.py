@@ -1,6 +1,7 @@
 """stabilitywatch under torch.distributed (DDP, FSDP2): DTensor shards, lockstep cross-rank
-flushes with one collective each, merged rows on rank 0, replica fingerprints for the
-divergence detector. See README "Many GPUs: torchrun" and coordinator.py."""
+flushes merged by reduction (rounds.py, reduce.py; the all-gather of wire.py on request), merged
+rows on rank 0, replica digests for the divergence detector. See README "Many GPUs: torchrun",
+docs/distributed.md and coordinator.py. It is handed a RunInfo (runinfo.py), not the Monitor."""
 from .coordinator import Coordinator, DistCoordinator, make_coordinator
 from .merge import DistFrame, KIND_NAMES
 

@@ -11,8 +11,10 @@ order, whatever each rank saw. So nothing here depends on timing, data or alerts
 - rows are identified by a hash of (module, role), not by slot numbers (which follow first touch
   and may differ between ranks); a row missing on a rank is simply absent from its payload,
   which is the identity of the merge;
-- each flush is one fixed-size all-gather (`wire.py`); only when some rank's rows outgrow the
-  agreed size do all ranks, seeing the same headers, repeat it once with a larger size;
+- each flush (dist_merge="reduce", the default) is a few all-reduces of tensors whose shapes
+  every rank knows (rounds.py): the payload per rank does not grow with the world size; with
+  dist_merge="gather" it is one fixed-size all-gather (`wire.py`), repeated once with a larger
+  size only when some rank's rows outgrow the agreed one;
 - detectors, alerts, captures and sinks run after the collective and never add or skip one.
 
 Failure. A collective that fails or takes longer than `dist_timeout` (a rank died, or left)
@@ -25,17 +27,18 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..config_distributed import DistBackend, DistMode
+from ..config_distributed import DistBackend, DistMerge, DistMode
 from ..stats.buffer import Phase
 from ..stats.layout import N_STATS
-from . import wire
-from .dtensor import placement, to_local
+from . import reduce, rounds, wire
+from .comm import Comm
+from .dtensor import placement, shard_rows, to_local
 from .merge import LocalFrame, _stack, local_frames, merged_frames, payload_rows
+from .runinfo import FrameSource, RunInfo
 
 log = logging.getLogger("stabilitywatch")
 
@@ -61,15 +64,15 @@ class Coordinator:
 
     active = False
 
-    def __init__(self, monitor: Any):
-        self.mon = monitor
+    def __init__(self, run: RunInfo):
+        self.run = run
 
     def local(self, t: torch.Tensor, module: str, role: str) -> torch.Tensor:
         return to_local(t)
 
-    def frames(self, buffer, final: bool) -> list:
+    def frames(self, buffer: FrameSource, final: bool) -> list:
         """Called once per step end (final=False) and at close (final=True)."""
-        return buffer.poll(block=final, rank=self.mon.rank, world_size=self.mon.world_size)
+        return buffer.poll(block=final, rank=self.run.rank, world_size=self.run.world_size)
 
     def detectors(self) -> list:
         return []
@@ -91,18 +94,19 @@ class Coordinator:
 class DistCoordinator(Coordinator):
     active = True
 
-    def __init__(self, monitor: Any):
-        super().__init__(monitor)
+    def __init__(self, run: RunInfo):
+        super().__init__(run)
         import torch.distributed as dist
         self._dist = dist
-        cfg = monitor.config
+        cfg = run.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mode: DistMode = cfg.dist_mode
         self.every = cfg.dist_flush_every
         self.compare = cfg.dist_divergence
         self.timeout = datetime.timedelta(seconds=cfg.dist_timeout)
         # gradients read before DDP's all-reduce (no optimizer: post-accumulate hooks) differ
-        self.grads_replicated = monitor.optimizer is not None
+        self.grads_replicated = run.has_optimizer
+        self.merge: DistMerge = cfg.dist_merge
         self.group = None
         self.device = torch.device("cpu")
         if cfg.dist_backend is DistBackend.GLOO:
@@ -121,6 +125,10 @@ class DistCoordinator(Coordinator):
         self._placement: dict[tuple[str, str], tuple[bool, bool]] = {}
         self._ends = 0
         self._entry_end: collections.deque = collections.deque()   # end index of each unread one
+        self._cut = 0                       # the last step end a flush covered
+        self._rows0: dict[tuple[str, str], tuple[int, int]] = {}   # FSDP2 dim-0 shards
+        self.tables = reduce.Tables()
+        self.comm = Comm(dist, self.group, self.device, self.timeout)
 
     # -- hot path (host bookkeeping only) ------------------------------------------------------
     def local(self, t: torch.Tensor, module: str, role: str) -> torch.Tensor:
@@ -129,26 +137,32 @@ class DistCoordinator(Coordinator):
             pl = placement(t)
             if pl is not None:
                 self._placement[key] = pl
+                rows = shard_rows(t)
+                if rows is not None:
+                    self._rows0[key] = rows
         return to_local(t)
 
     # -- step ends -----------------------------------------------------------------------------
-    def frames(self, buffer, final: bool) -> list:
+    def frames(self, buffer: FrameSource, final: bool) -> list:
         if not final:
             self._ends += 1
             # called right after end_step: at most one new unread buffer entry, from this end
             if not self.detached and buffer.pending > len(self._entry_end):
                 self._entry_end.append(self._ends)
         if self.detached:
-            return self._fallback(buffer.poll(block=final, rank=self.mon.rank,
+            return self._fallback(buffer.poll(block=final, rank=self.run.rank,
                                               world_size=self.world))
         if final:
-            take = buffer.pending
+            take, cut = buffer.pending, self._ends
         elif self._ends % self.every == 0:
-            take = sum(1 for e in self._entry_end if e < self._ends)
+            take, cut = sum(1 for e in self._entry_end if e < self._ends), self._ends - 1
         else:
             return []
-        got = buffer.poll(block=True, limit=take, rank=self.mon.rank, world_size=self.world)
+        got = buffer.poll(block=True, limit=take, rank=self.run.rank, world_size=self.world)
         local = [self._local_frame(self._entry_end.popleft(), f) for f in got]
+        first, self._cut = self._cut + 1, cut
+        if self.merge is DistMerge.REDUCE:
+            return self._reduce(local, first, final)
         return self._flush(local, final)
 
     def _local_frame(self, end: int, frame) -> LocalFrame:
@@ -190,12 +204,12 @@ class DistCoordinator(Coordinator):
         gone = [p.rank for p in payloads if p.final and p.rank != self.rank]
         if self.mode is DistMode.RANK0:
             if self.rank == 0:
-                out = merged_frames(payloads, self.names, local, self.mon.rank, self.world)
+                out = merged_frames(payloads, self.names, local, self.run.rank, self.world)
             else:
                 self._release(local)
                 out = []
         else:
-            out = local_frames(payloads, local, self.mon.rank, self.world)
+            out = local_frames(payloads, local, self.run.rank, self.world)
         if gone and not final:
             self._detach(f"rank(s) {', '.join(map(str, gone))} closed their monitor")
         return out
@@ -220,22 +234,59 @@ class DistCoordinator(Coordinator):
         work = gather(out, inp, group=self.group, async_op=True)
         work.wait(timeout=self.timeout)
         self.collectives += 1
+        self.comm.bytes_sent += buf.size
         rows = out.cpu().numpy().reshape(self.world, buf.size)   # off the hot path: waits
         payloads = [wire.decode(rows[r]) for r in range(self.world)]
         if [p.rank for p in payloads] != list(range(self.world)):
             raise wire.WireError("payloads arrived out of rank order")
         return payloads
 
+    # -- the reductions (rounds.py) -----------------------------------------------------------
+    def _reduce(self, local: list, first: int, final: bool) -> list:
+        self.flushes += 1
+        window = [None] * self.every
+        for lf in local:
+            window[lf.end - first] = lf    # the flush covers ends first .. first + every - 1
+        calls = self.comm.calls
+        try:
+            red = rounds.run(window, self.tables, self.comm, self.rank,
+                             full=self.mode is DistMode.RANK0, compare=self.compare, final=final)
+        except Exception as e:
+            self.collectives += self.comm.calls - calls
+            self._detach(f"the flush reduction failed ({type(e).__name__}: {e})")
+            return self._fallback([lf.frame for lf in local])
+        self.collectives += self.comm.calls - calls
+        try:
+            if self.mode is DistMode.RANK0:
+                if self.rank == 0:
+                    out = rounds.merged(red, window, self.tables, self.run.rank, self.world,
+                                        lambda key: self._placement.get(tuple(key), (False,))[0])
+                else:
+                    self._release(local)
+                    out = []
+            else:
+                out = rounds.local(red, window, self.tables, self.run.rank, self.world)
+        except Exception as e:   # host-side unpacking: the ranks stay in step, this flush is local
+            log.warning("stabilitywatch: rank %d: reading the flush's reductions failed (%s: %s);"
+                        " its frames are this rank's own", self.rank, type(e).__name__, e)
+            out = self._fallback([lf.frame for lf in local])
+        if red.others_final:
+            self._detach("a rank closed its monitor")
+        return out
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank contributed to the flush collectives so far."""
+        return self.comm.bytes_sent
+
     # -- after the collective ------------------------------------------------------------------
     def _release(self, local: list) -> None:
-        """Frames this rank does not process itself still free their capture snapshots."""
-        cap = getattr(self.mon, "capture", None)
-        if cap is not None:
-            for lf in local:
-                cap.on_frame(lf.frame, [])
+        """Frames this rank does not process itself still free what they hold."""
+        for lf in local:
+            self.run.release(lf.frame)
 
     def _fallback(self, frames: list) -> list:
-        return local_frames([], [self._local_frame(-1, f) for f in frames], self.mon.rank,
+        return local_frames([], [self._local_frame(-1, f) for f in frames], self.run.rank,
                             self.world)
 
     def _detach(self, why: str) -> None:
@@ -260,22 +311,52 @@ class DistCoordinator(Coordinator):
         return {"merged": bool(getattr(frame, "merged", False))}
 
     def annotate(self, frame, alerts: list) -> list:
-        """Non-finite alerts name the rank(s) whose rows hold the values."""
-        bad = getattr(frame, "bad_ranks", None)
-        if not bad or not alerts:
+        """Alerts on merged rows name the rank(s) whose rows hold them (non-finite values; the
+        largest |x| for physics and overflow), and the shard where the row is one."""
+        if not alerts or not isinstance(getattr(frame, "bad_ranks", None), dict):
             return alerts
+        return [self._annotate_one(frame, a) for a in alerts]
+
+    def _annotate_one(self, frame, a):
         import dataclasses
-        out = []
-        for a in alerts:
-            i = frame.index(a.module, a.tensor) if a.detector == "nonfinite" else None
-            ranks = bad.get(i) if i is not None else None
-            if ranks:
-                where = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-                a = dataclasses.replace(
-                    a, rank=ranks[0], extra={**a.extra, "ranks": ranks},
-                    message=f"{a.message} [{where} of {self.world}]")
-            out.append(a)
-        return out
+        key = (a.module, a.tensor)
+        i = frame.index(*key)
+        if a.detector == "nonfinite":
+            r = frame.sentinel_bad.get(key) if a.extra.get("source") == "sentinel" else None
+            if r is None and i is not None:
+                r = frame.bad_range.get(i)
+                if r is None and frame.bad_ranks.get(i):
+                    ranks = frame.bad_ranks[i]
+                    r = (min(ranks), max(ranks), len(ranks))
+            if r is None:
+                return a
+            lo, hi, n = r
+            where = (f"rank {lo}" if lo == hi else f"ranks {lo}..{hi} ({n} ranks)")
+            extra = {**a.extra, "ranks": reduce.listed(r), "rank_range": [lo, hi],
+                     "rank_count": n}
+        elif a.detector in ("physics", "overflow") and i is not None \
+                and i in frame.absmax_rank:
+            lo = frame.absmax_rank[i]
+            where = f"largest |x| on rank {lo}"
+            extra = {**a.extra, "ranks": [lo]}
+        else:
+            return a
+        shard = self._shard(key, lo)
+        if shard is not None:
+            extra["shard"] = shard
+            where += f", its shard: rows {shard['rows'][0]}..{shard['rows'][1] - 1}"
+        return dataclasses.replace(a, rank=lo, extra=extra,
+                                   message=f"{a.message} [{where} of {self.world}]")
+
+    def _shard(self, key, rank: int):
+        """The dim-0 rows of the unsharded tensor that `rank` holds (FSDP2's Shard(0))."""
+        pl = self._placement.get(key)
+        if pl is None or not pl[0] or key not in self._rows0:
+            return None
+        n, ranks = self._rows0[key]
+        per = -(-n // ranks)     # torch.chunk: ceil(n / ranks) rows per rank, the last shorter
+        lo = min(rank * per, n)
+        return {"rank": rank, "of": ranks, "rows": [lo, min(lo + per, n)], "dim0": n}
 
     def close(self) -> None:
         if self.group is not None and not self.detached:
@@ -286,9 +367,9 @@ class DistCoordinator(Coordinator):
         self.group = None
 
 
-def make_coordinator(monitor: Any) -> Coordinator:
+def make_coordinator(run: RunInfo) -> Coordinator:
     rank, world = dist_info()
-    cfg = monitor.config
+    cfg = run.config
     if world <= 1 or (cfg.dist_mode is DistMode.PER_RANK and not cfg.dist_divergence):
-        return Coordinator(monitor)
-    return DistCoordinator(monitor)
+        return Coordinator(run)
+    return DistCoordinator(run)

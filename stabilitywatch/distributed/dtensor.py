@@ -47,3 +47,17 @@ def placement(t: torch.Tensor) -> Optional[tuple[bool, bool]]:
 def to_local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (a view, no communication); other tensors unchanged."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def shard_rows(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(dim-0 size of the unsharded tensor, ranks) of a DTensor sharded along dim 0 on a 1-D
+    mesh (FSDP2's layout), else None: which rows a rank holds follows from them."""
+    if not is_dtensor(t):
+        return None
+    try:
+        places = tuple(t.placements)
+        if len(places) != 1 or not places[0].is_shard() or places[0].dim != 0 or t.dim() == 0:
+            return None
+        return int(t.shape[0]), int(t.device_mesh.size())
+    except Exception:
+        return None

@@ -35,11 +35,17 @@ KIND_NAMES = {wire.LOCAL: "local", SHARDED: "sharded", REPLICATED: "replicated"}
 class DistFrame(StatsFrame):
     """A StatsFrame of a distributed run. `merged`: rows combine every rank's (rank0 mode).
     `kinds[i]`: wire.LOCAL / SHARDED / REPLICATED. `replicas[i]`: {rank: fingerprint vector
-    (wire.FP_STATS)} of a replicated row. `bad_ranks[i]`: ranks whose row i holds NaN/Inf."""
+    (wire.FP_STATS)} of a replicated row (by reduction: one rank of each extreme, only where
+    the ranks differ). `bad_ranks[i]`: ranks whose row i holds NaN/Inf."""
     merged: bool = False
     kinds: list = field(default_factory=list)
     replicas: dict = field(default_factory=dict)
     bad_ranks: dict = field(default_factory=dict)
+    # merged by reduction (distributed/rounds.py): ranks named by their extremes
+    bad_range: dict = field(default_factory=dict)      # i -> (lo, hi, count) of bad_ranks
+    absmax_rank: dict = field(default_factory=dict)    # i -> the one rank holding the max |x|
+    replica_info: dict = field(default_factory=dict)   # i -> {"present": n, rank: (n, lo, hi)}
+    sentinel_bad: dict = field(default_factory=dict)   # (module, role) -> (lo, hi, count)
 
 
 @dataclass
