@@ -35,10 +35,7 @@ LAYERS = (
 
 # Known cycles, each removed by work under way; delete an entry once its cycle is gone (the test
 # says when).
-ALLOWED_CYCLES = {
-    # distributed/ takes a small explicit interface instead of the Monitor (issue #25/#26, dist)
-    frozenset({"detectors.divergence", "distributed", "distributed.coordinator"}),
-}
+ALLOWED_CYCLES: set = set()
 # Known imports from a layer above, removed the same way.
 ALLOWED_UPWARD = {
     # capture/rerun does not import the monitor (issue #22, unsampled)

@@ -19,9 +19,8 @@ import math
 import numpy as np
 
 from ..alert import Alert, Severity
-from ..distributed.wire import FP_STATS
 from ..stats.buffer import StatsFrame
-from ..stats.layout import Stat
+from ..stats.layout import FP_STATS, Stat
 from .base import Detector
 
 _NAMES = [s.name.lower() for s in FP_STATS]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..stats.layout import N_STATS, Stat
+from ..stats.layout import FP_STATS, N_STATS, Stat
 
 MAGIC = 0x5357_4449_5354_0001
 VERSION = 2  # 2: rows with the shifted sums (stats/layout.py)
@@ -34,9 +34,6 @@ META = ("end", "step", "key", "phase", "seq", "flags", "scale")
 M_END, M_STEP, M_KEY, M_PHASE, M_SEQ, M_FLAGS, M_SCALE = range(len(META))
 N_META = len(META)
 
-# what a fingerprint row holds: enough to tell replicas apart (the bit sums are exact)
-FP_STATS = (Stat.NUMEL, Stat.NAN, Stat.POSINF, Stat.NEGINF, Stat.ZEROS, Stat.MIN, Stat.MAX,
-            Stat.ABSMAX, Stat.ABSMIN_NZ, Stat.BITS_HI, Stat.BITS_LO, Stat.SUM, Stat.SUMSQ)
 FP_INDEX = np.array([int(s) for s in FP_STATS])
 
 # flags: kind in the low two bits, bit 2 set when this rank's row counts in a sharded merge

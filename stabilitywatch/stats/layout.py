@@ -187,3 +187,9 @@ def merge_into(dst: torch.Tensor, row: torch.Tensor) -> None:
         torch.minimum(dst[i], row[i], out=dst[i])
     for i in (Stat.MAX, Stat.ABSMAX):
         torch.maximum(dst[i], row[i], out=dst[i])
+
+
+# what a fingerprint of a replicated tensor holds: enough to tell replicas apart (the bit sums
+# are exact); the divergence detector compares them and the cross-rank merge reduces them
+FP_STATS = (Stat.NUMEL, Stat.NAN, Stat.POSINF, Stat.NEGINF, Stat.ZEROS, Stat.MIN, Stat.MAX,
+            Stat.ABSMAX, Stat.ABSMIN_NZ, Stat.BITS_HI, Stat.BITS_LO, Stat.SUM, Stat.SUMSQ)
