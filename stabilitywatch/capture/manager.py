@@ -13,10 +13,8 @@ recorded with `capture: null`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import os
-import platform
 import threading
 import time
 from pathlib import Path
@@ -26,29 +24,19 @@ import torch
 
 from ..alert import SCHEMA_VERSION, Alert
 from ..incidents import manifest_incidents
-from ..stats.layout import HIST_BINS, HIST_EMIN, N_SCALAR, Stat
+from .contents import (batch_and_rng, batch_bytes, device_info, frame_rows, note, optim_meta,
+                       stat_names, versions)
 from .context import CaptureContext
 from .policy import SnapshotPolicy, matches, triggers
 from .snapshot import Snapshotter
-from .state import (HOST_FRACTION, StateCopy, StepRecord, StepRing, copy_state, host_budget,
-                    state_nbytes, with_hyper)
-from .treeio import config_to_json, encode_tree, jsonable, rows_to_json
+from .state import (HOST_FRACTION, StateCopy, StepRecord, StepRing, to_host, copy_state,
+                    host_budget, state_nbytes, with_hyper)
+from .treeio import config_to_json, jsonable, rows_to_json
 from .writer import BUNDLE_SCHEMA, KIND, Store, write_bundle, write_rows
 
 log = logging.getLogger("stabilitywatch")
 
 HOLD_LIMIT = 8   # guard.HOLD_LIMIT: past it the latch has let go and the state moved on
-
-
-def stat_names() -> list[str]:
-    return [Stat(i).name.lower() for i in range(N_SCALAR)] + \
-        [f"hist[{HIST_EMIN + b}]" for b in range(HIST_BINS)]
-
-
-def frame_rows(frame: Any) -> dict:
-    return {"step": frame.step, "keys": [list(k) for k in frame.keys],
-            "phases": list(frame.phases), "scales": list(frame.scales),
-            "rows": rows_to_json(frame.rows)}
 
 
 @dataclasses.dataclass
@@ -199,7 +187,7 @@ class CaptureManager:
             lacks += ["batch", "rng"]
             why = (why + "; " if why else "") + ("the step's batch and RNG states were no longer "
                                                  "held (its frame was read too late)")
-        need = state_bytes + _batch_bytes(rec.batch if rec is not None else None) + (1 << 16)
+        need = state_bytes + batch_bytes(rec.batch if rec is not None else None) + (1 << 16)
         refusal = self.store.make_room(need)
         if refusal is not None:
             self._warn("limit", f"step {step} not captured: {refusal}")
@@ -210,13 +198,13 @@ class CaptureManager:
         p = _Pending(step, name, source, lacks, why, rec, {}, after=last,
                      seq=slot.seq if slot is not None else -1, held=held_span,
                      done=ctx.config.escalate_steps <= 0)
-        note = _note(p)
+        said = note(p)
         extra = {"capture_lacks": list(lacks)}
         if held_span is not None and source != "slot":
             extra["held_steps"] = held_span[1] - held_span[0] + 1
         alerts = [dataclasses.replace(
             a, capture=self._rel(self.root / name), extra={**a.extra, **extra},
-            message=a.message + note if a.root and note else a.message) for a in alerts]
+            message=a.message + said if a.root and said else a.message) for a in alerts]
         p.manifest = self._manifest(frame, alerts)
         self._pending.append(p)
         self._captured.add(step)
@@ -253,7 +241,7 @@ class CaptureManager:
             "config": config_to_json(ctx.config),
             "modules": list(ctx.modules),
             "model_factory": ctx.model_factory, "step_fn": ctx.step_fn,
-            "versions": _versions(), "device": _device(ctx.model),
+            "versions": versions(), "device": device_info(ctx.model),
             # read with every role (an escalation window): replay reads it so again
             "escalated_step": bool(ctx.escalated(frame.step)),
             "stats": {"keys": [list(k) for k in frame.keys], "phases": list(frame.phases),
@@ -308,10 +296,13 @@ class CaptureManager:
                     raise RuntimeError("its snapshot slot was reused")
                 if slot.ready is not None:   # a side-stream copy into host memory
                     slot.ready.synchronize()
+                events: dict = {}
                 with torch.no_grad():
-                    p.state = StateCopy({n: t.to("cpu", copy=True) for n, t in slot.model.items()},
-                                        {n: t.to("cpu", copy=True) for n, t in slot.optim.items()},
+                    p.state = StateCopy({n: to_host(t, events) for n, t in slot.model.items()},
+                                        {n: to_host(t, events) for n, t in slot.optim.items()},
                                         slot.optim_meta, p.step, p.step)
+                for ev in events.values():   # sync-ok: once per bundle, at a step boundary
+                    ev.synchronize()
                 p.record = StepRecord(p.step, slot.seq, slot.batch, slot.rng, None)
                 with self._lock:
                     self.snap.release_through(slot.seq, keep={
@@ -330,7 +321,7 @@ class CaptureManager:
             elif p.source == "held":
                 p.state = self._held
             p.manifest["batch"], p.manifest["rng"], p.batch_tensors, p.rng_tensors = \
-                _batch_and_rng(p.record)
+                batch_and_rng(p.record)
         except Exception as e:
             self._warn("take", f"the state of step {p.step} could not be copied "
                                f"({type(e).__name__}: {e}); its bundle lacks it")
@@ -351,7 +342,7 @@ class CaptureManager:
             meta = st.meta if st is not None else None
             if p.record is not None:
                 meta = with_hyper(meta, p.record.hyper)
-            m["optimizer"] = jsonable(meta) if meta is not None else _optim_meta(self.ctx,
+            m["optimizer"] = jsonable(meta) if meta is not None else optim_meta(self.ctx,
                                                                                 self._names, p)
             m["lacks"] = list(dict.fromkeys(p.lacks))
             if p.lacks:
@@ -402,85 +393,3 @@ class CaptureManager:
             log.debug("stabilitywatch: %s", msg)
 
 
-def _note(p: _Pending) -> str:
-    """What the root alert says about its bundle."""
-    parts = []
-    if p.held is not None and p.source != "slot":
-        n = p.held[1] - p.held[0] + 1
-        parts.append(f"the guard held the weights for its bundle: {n} step{'s' * (n > 1)} "
-                     f"skipped ({p.held[0]}..{p.held[1]})" if n > 1 else
-                     "the guard held the weights for its bundle: 1 step skipped")
-    if p.lacks:
-        what = []
-        if "model" in p.lacks:
-            what.append("the start-of-step weights and optimizer state")
-        if "batch" in p.lacks:
-            what.append("the batch and RNG states")
-        has = ("the batch, RNG states and the rows" if "batch" not in p.lacks else "the rows")
-        parts.append(f"its bundle lacks {' and '.join(what)} (it holds {has}): {p.why}")
-    return "".join(f"; {x}" for x in parts)
-
-
-def _batch_and_rng(rec: Optional[StepRecord]):
-    """(manifest batch node, manifest rng node, batch tensors, rng tensors): host copies."""
-    if rec is None:
-        return {"kind": "none"}, {"cuda_devices": 0}, {}, {}
-    found: dict[str, torch.Tensor] = {}
-    tree = encode_tree(rec.batch, found)
-    batch = {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
-    rng = rec.rng
-    rng_tensors = {"torch": rng["torch"]}
-    for i, st in enumerate(rng.get("cuda", [])):
-        rng_tensors[f"cuda.{i}"] = st
-    np_state = rng["numpy"]
-    node = {"python": jsonable(rng["python"]),
-            "numpy": [np_state[0], np_state[1].tolist(), *jsonable(list(np_state[2:]))],
-            "cuda_devices": len(rng.get("cuda", []))}
-    return tree, node, batch, rng_tensors
-
-
-def _batch_bytes(batch: Any) -> int:
-    if batch is None:
-        return 0
-    found: dict[str, torch.Tensor] = {}
-    try:
-        encode_tree(batch, found)
-    except Exception:
-        return 0
-    return sum(t.numel() * t.element_size() for t in found.values())
-
-
-def _optim_meta(ctx: CaptureContext, names: dict, p: _Pending) -> Optional[dict]:
-    """Param groups (names and hyper-parameters) for a bundle without the optimizer state."""
-    from .snapshot import _optim_tensors
-    _, meta = _optim_tensors(ctx.optimizer, names)
-    if meta is None:
-        return None
-    meta = with_hyper({**meta, "other_state": {}}, p.record.hyper if p.record else None)
-    return jsonable(meta)
-
-
-def _versions() -> dict:
-    def ver(pkg: str) -> Optional[str]:
-        try:  # metadata only: importing triton here would be slow and is not needed
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    from .. import __version__
-    return {"stabilitywatch": __version__, "torch": torch.__version__, "triton": ver("triton"),
-            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
-            if torch.backends.cudnn.is_available() else None,
-            "numpy": ver("numpy"), "safetensors": ver("safetensors"),
-            "python": platform.python_version()}
-
-
-def _device(model: torch.nn.Module) -> dict:
-    p = next(iter(model.parameters()), None)
-    dev = p.device if p is not None else torch.device("cpu")
-    out = {"type": dev.type, "index": dev.index, "host": platform.machine(),
-           "cpu": platform.processor() or None, "gpu": None}
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        out["gpu"] = props.name
-        out["capability"] = f"{props.major}.{props.minor}"
-    return out

@@ -87,11 +87,28 @@ def copy_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     for the device (once per bundle, off the hot path)."""
     mt = _model_tensors(model)
     ot, meta = _optim_tensors(optimizer, names)
+    events = {}
     with torch.no_grad():
-        m = {n: t.detach().to("cpu", copy=True) for n, t in mt}
-        o = {n: t.detach().to("cpu", copy=True) for n, t in ot}
+        m = {n: to_host(t, events) for n, t in mt}
+        o = {n: to_host(t, events) for n, t in ot}
+    for ev in events.values():   # sync-ok: once per bundle, at a step boundary
+        ev.synchronize()
     nbytes = sum(t.numel() * t.element_size() for d in (m, o) for t in d.values())
     return StateCopy(m, o, meta, first, last, nbytes)
+
+
+def to_host(t: torch.Tensor, events: dict) -> torch.Tensor:
+    """A host copy: from the device into pinned memory on the current stream, waited for once
+    per device with an event (no stream-wide synchronize)."""
+    t = t.detach()
+    if not t.is_cuda:
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    events[t.device] = ev   # the last one recorded on each device covers the earlier copies
+    return out
 
 
 def with_hyper(meta: Optional[dict], hyper: Optional[list]) -> Optional[dict]:
