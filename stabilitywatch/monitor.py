@@ -25,6 +25,7 @@ from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
 from .escalation import SentinelControl
+from .guard import HOLD_LIMIT
 from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
 from .integrations.accelerate import unwrap_optimizer
@@ -337,7 +338,8 @@ class Monitor:
             run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
             modules=tuple(n for n, _ in self.modules), model_factory=self.model_factory,
             step_fn=self.step_fn, escalated=self.schedule.escalated,
-            guard_holds=lambda: control.guard is not None and control.guard.hold)
+            guard_holds=lambda: control.guard is not None and control.guard.hold,
+            hold_limit=HOLD_LIMIT)
 
     def _is_on(self, role: Role) -> bool:
         # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet

@@ -172,3 +172,42 @@ def test_capture_does_not_import_the_monitor():
                                                 for a in node.names)), path.name
             elif isinstance(node, ast.Import):
                 assert all(a.name != "stabilitywatch.monitor" for a in node.names), path.name
+
+
+def test_frames_handled_off_the_training_thread_copy_at_the_next_boundary(tmp_path,
+                                                                          monkeypatch):
+    """on_frame run from another thread only decides and queues: the copy of the state is taken
+    on the training thread at the next step boundary, and the bundle still reproduces."""
+    import threading
+
+    from stabilitywatch.capture import manager
+
+    where = []
+    real_copy = manager.copy_state
+
+    def spy(*a, **k):
+        where.append(threading.get_ident())
+        return real_copy(*a, **k)
+    monkeypatch.setattr(manager, "copy_state", spy)
+
+    def during(mon, step, model):
+        if step == 0 and not hasattr(mon.capture, "_wrapped"):
+            decide = mon.capture.on_frame
+            mon.capture._wrapped = True
+
+            def elsewhere(frame, alerts):
+                out = []
+                t = threading.Thread(target=lambda: out.append(decide(frame, alerts)))
+                t.start()
+                t.join(10)
+                assert out, "on_frame did not return"
+                return out[0]
+            mon.capture.on_frame = elsewhere
+    mon, _, _ = cm.train(tmp_path / "run", steps=6, config=unsampled(on_nonfinite="skip"),
+                         during_step=during)
+    # steps 3 and 4 (both skipped: fc2 stays scaled) each copied, on this (the training) thread
+    assert where == [threading.get_ident()] * 2
+    root = next(a for a in mon.alerts if a.step == 3 and a.root)
+    bundle = tmp_path / "run" / root.capture
+    assert json.loads((bundle / "manifest.json").read_text())["lacks"] == []
+    assert sw.replay(bundle, **REPLAY)["reproduces"] is True

@@ -26,3 +26,4 @@ class CaptureContext:
     # the guard skips flagged steps and holds (latches) until released: a skipped step's
     # start-of-step state is the current state (guard.py)
     guard_holds: Callable[[], bool] = lambda: False
+    hold_limit: int = 0              # steps after which the guard lets go by itself

@@ -27,7 +27,7 @@ from ..incidents import manifest_incidents
 from .contents import (batch_and_rng, batch_bytes, device_info, frame_rows, note, optim_meta,
                        stat_names, versions)
 from .context import CaptureContext
-from .policy import SnapshotPolicy, matches, triggers
+from .policy import Retention, SnapshotPolicy, matches, triggers
 from .snapshot import Snapshotter
 from .state import (HOST_FRACTION, StateCopy, StepRecord, StepRing, to_host, copy_state,
                     host_budget, state_nbytes, with_hyper)
@@ -35,9 +35,6 @@ from .treeio import config_to_json, jsonable, rows_to_json
 from .writer import BUNDLE_SCHEMA, KIND, Store, write_bundle, write_rows
 
 log = logging.getLogger("stabilitywatch")
-
-HOLD_LIMIT = 8   # guard.HOLD_LIMIT: past it the latch has let go and the state moved on
-
 
 @dataclasses.dataclass
 class _Pending:
@@ -165,7 +162,7 @@ class CaptureManager:
         held = self._held if (self._held is not None
                               and self._held.first <= step <= self._held.last) else None
         source = ("slot" if slot is not None else "held" if held is not None else
-                  "current" if skipped and ctx.guard_holds() and last - step < HOLD_LIMIT
+                  "current" if skipped and ctx.guard_holds() and last - step < ctx.hold_limit
                   else None)
         lacks, why = [], None
         state_bytes = 0
@@ -174,7 +171,8 @@ class CaptureManager:
         elif source != "held":
             state_bytes = slot.nbytes if slot is not None else state_nbytes(
                 ctx.model, ctx.optimizer, self._names)
-            room = self.store.max_bytes - self.store.nbytes
+            room = self.store.max_bytes - (0 if self.store.retention is Retention.KEEP_LAST
+                                           else self.store.nbytes)   # keep_last makes room
             budget = host_budget()
             limit = min(room, budget) if budget is not None else room
             if state_bytes > limit:
@@ -215,7 +213,7 @@ class CaptureManager:
             return "start-of-step snapshots were switched off after a failure"
         if skipped and self.ctx.guard_holds():
             return (f"the guard's hold on the skipped step ended before the host read its frame "
-                    f"(more than {HOLD_LIMIT} steps late)")
+                    f"(more than {self.ctx.hold_limit} steps late)")
         if self.policy is SnapshotPolicy.SAMPLED:
             return ("capture_snapshot='sampled' keeps the start-of-step state on sampled steps "
                     "only, and this step's update was applied")
@@ -310,7 +308,7 @@ class CaptureManager:
                         and not q.taken})
             elif p.source == "current":
                 last = self._begun[-1][0] if self._begun else p.step
-                if last - p.step >= HOLD_LIMIT:
+                if last - p.step >= self.ctx.hold_limit:
                     raise RuntimeError(f"the guard's hold ended ({last - p.step} steps late)")
                 p.state = copy_state(self.ctx.model, self.ctx.optimizer, self._names, p.step,
                                      last)
