@@ -88,12 +88,18 @@ def test_the_default_policy_copies_no_weights_per_step(tmp_path):
                                config=sw.Config(every=1, sinks=("jsonl",)),
                                during_step=lambda mon, step, m: held.append(
                                    mon.capture.snap.nbytes))
-    assert held == [0] * 5 and mon.capture.copies == []
+    assert held == [0] * 5 and mon.capture.copies == [] and mon.capture.snapshot_bytes == 0
+    # the "sampled" policy, for comparison: a copy of everything on each of the 5 steps
+    mon, model, opt = cm.train(tmp_path / "sampled", steps=5, fault_step=-1,
+                               config=sw.Config(every=1, sinks=("jsonl",),
+                                                capture_snapshot="sampled"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert mon.capture.snapshot_bytes >= 4 * state_nbytes(model, opt, names)
     mon, model, opt = cm.train(tmp_path / "guard", steps=5,
                                config=sw.Config(every=1, sinks=("jsonl",), on_nonfinite="skip"))
     names = {id(p): n for n, p in model.named_parameters()}
     assert mon.capture.copies == [(3, state_nbytes(model, opt, names))]
-    assert mon.capture.snap.nbytes == 0
+    assert mon.capture.snapshot_bytes == 0
 
 
 def test_the_bundle_records_the_escalated_steps_rows(tmp_path):

@@ -71,9 +71,10 @@ class CaptureManager:
                                 target=cfg.capture_snapshot_to)
         self.ring = StepRing(ctx.optimizer)
         self.written: list[Path] = []
-        # (step, bytes) of every copy of weights and optimizer state: start-of-step snapshots
-        # and the one copy a bundle takes (tests and benchmarks read it)
+        # what was copied of the weights and optimizer state (tests and benchmarks read it):
+        # (step, bytes) of each bundle's copy of the current state, and the snapshots' total
         self.copies: list[tuple[int, int]] = []
+        self.snapshot_bytes = 0
         self._names = {id(p): n for n, p in ctx.model.named_parameters()}
         self._begun: list[tuple[int, int]] = []   # (step, seq) of recent step starts
         self._seq = 0
@@ -103,7 +104,7 @@ class CaptureManager:
         try:
             slot = self.snap.take(step, batch, seq)
             if slot is not None:
-                self.copies.append((step, slot.nbytes))
+                self.snapshot_bytes += slot.nbytes
         except Exception as e:  # never let a snapshot stop training
             self.snap.disabled = True
             self._warn("snap", f"start-of-step snapshots switched off ({type(e).__name__}: {e})")
