@@ -171,10 +171,10 @@ def main(argv=None) -> list:
         if not gpt2:   # capture_gpt2.run warms up inside each run
             run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
         for r in range(a.repeats):   # interleaved, so that drift in machine load hits all alike
-            for name, cfg in CONFIGS.items():
+            for k, (name, cfg) in enumerate(CONFIGS.items()):
                 if cfg.capture:  # --target applies to the monitored runs too
                     cfg = dataclasses.replace(cfg, capture_snapshot_to=target)
-                ms, peak = run(cfg, f"{tmp}/{r}-{len(times[name])}")
+                ms, peak = run(cfg, f"{tmp}/{r}-{k}")
                 times[name].append(ms)
                 peaks[name].append(peak)
     mb = 1 / 2**20
