@@ -35,7 +35,7 @@ def _start_of(step_no, seen):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "host-fallback"])
 def test_guard_on_an_unsampled_step_writes_a_bundle_that_reproduces(tmp_path, fused,
-                                                                    monkeypatch):
+                                                                    monkeypatch, capsys):
     if fused:   # the guard's device path (found_inf); cm.train builds a plain AdamW
         orig = torch.optim.AdamW
         monkeypatch.setattr(torch.optim, "AdamW", lambda ps, **k: orig(ps, fused=True, **k))
@@ -51,6 +51,9 @@ def test_guard_on_an_unsampled_step_writes_a_bundle_that_reproduces(tmp_path, fu
     bundle = tmp_path / "run" / root.capture
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["lacks"] == [] and m["held"] == {"first": 3, "last": 3, "skipped_steps": 1}
+    from stabilitywatch.cli import main
+    assert main(["inspect", str(bundle)]) == 0
+    assert "state: held by the guard, 1 step(s) skipped (3..3)" in capsys.readouterr().out
     cap = open_capture(bundle)
     for k, v in seen["model"].items():   # the state step 3 started from, though read after it
         assert torch.equal(cap.tensors("model")[k], v), k
@@ -61,7 +64,7 @@ def test_guard_on_an_unsampled_step_writes_a_bundle_that_reproduces(tmp_path, fu
     assert r["first_divergent_module"] == "fc2"
 
 
-def test_without_the_guard_the_bundle_says_what_it_lacks(tmp_path):
+def test_without_the_guard_the_bundle_says_what_it_lacks(tmp_path, capsys):
     mon, _, _ = cm.train(tmp_path / "run", steps=6, config=unsampled())
     root = next(a for a in mon.alerts if a.step == 3 and a.root)
     assert root.capture == "captures/step00000003-rank0"
@@ -74,6 +77,10 @@ def test_without_the_guard_the_bundle_says_what_it_lacks(tmp_path):
     cap = open_capture(bundle)
     assert cap.tensors("model") == {} and cap.tensors("optimizer") == {}
     assert set(cap.tensors("batch")) == {"batch.x", "batch.y", "batch.meta.ids"} and "torch" in cap.tensors("rng")
+    from stabilitywatch.cli import main
+    assert main(["inspect", str(bundle)]) == 0
+    assert "written without: model, optimizer (replay runs without them and says so): the " \
+        "step's update was applied" in capsys.readouterr().out
     r = sw.replay(bundle, **REPLAY)
     v = r["verdict"]
     assert r["reproduces"] is False and v["kind"] == "lacks"
