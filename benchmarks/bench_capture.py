@@ -1,5 +1,6 @@
-"""Cost of keeping start-of-step state for capture (CPU or CUDA), on the demo model or on the
-GPT-2-small-shaped model of bench_overhead.py.
+"""Cost of what capture keeps (CPU or CUDA), on the demo model or on the GPT-2-small-shaped model
+of bench_overhead.py: the default policy ("auto": each step's batch reference and RNG states,
+one copy of the state for a guarded incident's bundle) and the "sampled" snapshot ring.
 
     python benchmarks/bench_capture.py [--device cpu|cuda] [--model demo|gpt2] [--steps N]
                                        [--repeats 5] [--takes 200]
@@ -8,15 +9,18 @@ GPT-2-small-shaped model of bench_overhead.py.
 batch 16, bf16 autocast, fused AdamW; bench_overhead's smoke shapes with --smoke or on the CPU).
 
 Measures, in one run:
-- one snapshot (`Snapshotter.take`: parameters, buffers and AdamW state copied into a ring slot,
-  RNG states, batch reference): host time, and on CUDA the device time between two events;
+- what the default keeps per step (`StepRing.add`: RNG states, hyper-parameters, the batch by
+  reference): host time;
+- the default's one copy of the current weights and optimizer state for a bundle (`copy_state`,
+  what a guarded incident costs once): wall time, to host memory;
+- one snapshot of the "sampled"/"every" policies (`Snapshotter.take`: parameters, buffers and
+  AdamW state copied into a ring slot): host time, and on CUDA the device time between two events;
 - memory held by the ring (capture_ring=2) next to the model's and optimizer's own; gpt2: also
   next to the peak memory of a training step (CUDA), and each configuration's peak;
 - writing one bundle (safetensors + manifest + checksums, fsync'd);
-- demo ms/step with capture off / on, every step sampled (a snapshot every step) and with the
-  default cadence (every 10: a snapshot on 13 of 40 steps), interleaved, median of repeats;
-  gpt2: the same configurations, mean ms/step over --steps (30) steps after bench_overhead's
-  warm-up steps (10), so that the default cadence snapshots on 3 of 30 steps (its steady state).
+- ms/step with capture off, the default policy and capture_snapshot="sampled", every step sampled
+  and at the default cadence (every 10), interleaved, median of repeats (demo); gpt2: mean
+  ms/step over --steps (30) steps after bench_overhead's warm-up steps (10).
 Prints a markdown table last. No fault is injected (fault step past the end).
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from stabilitywatch import Config
 from stabilitywatch.capture.policy import SnapshotTarget
 from stabilitywatch.capture.snapshot import Snapshotter
+from stabilitywatch.capture.state import StepRing, copy_state
 from stabilitywatch.capture.writer import write_bundle
 from stabilitywatch.demo import build_model, make_batch, run_demo, train_step
 
@@ -84,6 +89,18 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget, setup=demo_se
         snap.release_through(i)
         if i >= 5:                            # the first takes allocate the ring
             host.append((t1 - t0) * 1e3)
+    ring, per_step = StepRing(opt), []
+    for i in range(takes + 5):
+        t0 = time.perf_counter()
+        ring.add(i, i, batch)
+        if i >= 5:
+            per_step.append((time.perf_counter() - t0) * 1e3)
+        ring.release_through(i)
+    names = {id(p): n for n, p in model.named_parameters()}
+    _sync(device)
+    t0 = time.perf_counter()
+    copy_state(model, opt, names, 0, 0)
+    copy_ms = (time.perf_counter() - t0) * 1e3
     state = sum(p.numel() * p.element_size() for p in model.parameters())
     optim = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
@@ -101,6 +118,7 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget, setup=demo_se
     return {"host_ms": statistics.median(host), "device_ms": statistics.median(dev) if dev else None,
             "ring_bytes": snap.nbytes, "param_bytes": state, "optim_bytes": optim,
             "write_ms": write_ms, "bundle_bytes": size,
+            "ring_add_ms": statistics.median(per_step), "copy_ms": copy_ms,
             "step_peak_bytes": step_peak, "slot_bytes": snap.slots[0].nbytes,
             "slots": len(snap.slots),
             "on_host": any(not t.is_cuda for t in snap.slots[0].model.values())}
@@ -108,10 +126,15 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget, setup=demo_se
 
 CONFIGS = {
     "every step, capture off": Config(every=1, sinks=("jsonl",), capture=()),
-    "every step, capture on (snapshot every step)": Config(every=1, sinks=("jsonl",)),
+    "every step, default capture (auto)": Config(every=1, sinks=("jsonl",)),
+    "every step, capture_snapshot='sampled' (snapshot every step)":
+        Config(every=1, sinks=("jsonl",), capture_snapshot="sampled"),
     "default cadence (every 10), capture off": Config(sinks=("jsonl",), capture=()),
-    "default cadence (every 10), capture on": Config(sinks=("jsonl",)),
+    "default cadence (every 10), default capture (auto)": Config(sinks=("jsonl",)),
+    "default cadence (every 10), capture_snapshot='sampled'":
+        Config(sinks=("jsonl",), capture_snapshot="sampled"),
 }
+OFF = 3   # each cadence's rows: capture off, then the two policies
 
 
 def demo_run(device: str, steps: int, cfg: Config, out: str) -> tuple[float, None]:
@@ -148,10 +171,10 @@ def main(argv=None) -> list:
         if not gpt2:   # capture_gpt2.run warms up inside each run
             run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
         for r in range(a.repeats):   # interleaved, so that drift in machine load hits all alike
-            for name, cfg in CONFIGS.items():
+            for k, (name, cfg) in enumerate(CONFIGS.items()):
                 if cfg.capture:  # --target applies to the monitored runs too
                     cfg = dataclasses.replace(cfg, capture_snapshot_to=target)
-                ms, peak = run(cfg, f"{tmp}/{r}-{len(times[name])}")
+                ms, peak = run(cfg, f"{tmp}/{r}-{k}")
                 times[name].append(ms)
                 peaks[name].append(peak)
     mb = 1 / 2**20
@@ -162,6 +185,8 @@ def main(argv=None) -> list:
     print(f"snapshot ({a.device}, target {a.target} -> {where} memory):"
           f" {snap['host_ms']:.3f} ms host" + (f", {snap['device_ms']:.3f} ms device"
                                                if snap["device_ms"] is not None else ""))
+    print(f"default policy per step: {snap['ring_add_ms']:.4f} ms host (RNG states, batch "
+          f"reference); one copy of the state for a bundle: {snap['copy_ms']:.1f} ms")
     print(f"ring allocated: {snap['ring_bytes'] * mb:.2f} MiB; parameters {snap['param_bytes'] * mb:.2f}"
           f" MiB, optimizer state {snap['optim_bytes'] * mb:.2f} MiB; one bundle "
           f"{snap['bundle_bytes'] * mb:.2f} MiB written in {snap['write_ms']:.1f} ms")
@@ -175,7 +200,7 @@ def main(argv=None) -> list:
     rows = []
     for i, name in enumerate(names):
         m = statistics.median(times[name])
-        base = statistics.median(times[names[i - 1]]) if i % 2 else None
+        base = statistics.median(times[names[i - i % OFF]]) if i % OFF else None
         pk = max(peaks[name]) if peaks[name][0] is not None else None
         rows.append({"config": name, "ms": m, "ratio": m / base if base else None,
                      "peak_bytes": pk, **snap})

@@ -1,7 +1,7 @@
 """stabilitywatch: a mixed-precision numerical stability monitor for PyTorch training."""
 from .alert import Alert, Severity
 from .capture.reader import CaptureError
-from .capture.replay import replay
+from .replaying import replay
 from .config import Backend, Config, Role
 from .extensions import Detector, Sink
 from .formats import FORMATS, Fmt, FormatSpec

@@ -62,7 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _demo(args)
         if args.cmd in ("replay", "inspect"):
             from .capture.cli_verbs import run as run_capture_verb
-            return run_capture_verb(args)
+            from .monitor import watch
+            return run_capture_verb(args, watch)
         if args.cmd == "report":
             from .report.cli import run as run_report
             return run_report(args)

@@ -235,9 +235,11 @@ class Config:
     capture_retention: _capture_policy.Retention = _capture_policy.Retention.KEEP_FIRST
     """At a limit: "keep_first" skips later captures (the first anomaly is the origin; later ones
     are mostly its consequences), "keep_last" deletes the oldest bundles to make room."""
-    capture_snapshot: _capture_policy.SnapshotPolicy = _capture_policy.SnapshotPolicy.SAMPLED
-    """When start-of-step state (weights, optimizer state, RNG, batch) is kept for a possible
-    capture: "sampled" (steps that read more than the loss), "every", or "off"."""
+    capture_snapshot: _capture_policy.SnapshotPolicy = _capture_policy.SnapshotPolicy.AUTO
+    """What is kept for bundles: "auto" (each step's batch and RNG states; the weights and
+    optimizer state only when the guard skipped the step, copied once for its bundle), "sampled"
+    / "every" (also a start-of-step copy of all weights and optimizer state on sampled / every
+    steps), "off" (no bundles)."""
     capture_snapshot_to: _capture_policy.SnapshotTarget = _capture_policy.SnapshotTarget.AUTO
     """Snapshot memory: "device" (a device copy: fast, costs device memory), "host" (pinned host
     memory, a device-to-host copy), "auto" (device while the ring takes <= 1% of it, else host)."""

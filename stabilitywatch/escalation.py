@@ -33,7 +33,9 @@ class SentinelControl:
                 log.warning("stabilitywatch: on_nonfinite='skip' needs the optimizer passed to "
                             "watch(); without it no step is skipped")
             else:
-                self.guard = Guard(mon.optimizer)
+                # captures read the skipped step's state after it: the latch keeps it (guard.py)
+                hold = bool(cfg.capture) and cfg.capture_snapshot.value != "off"
+                self.guard = Guard(mon.optimizer, hold=hold)
                 if not self.guard.fused:
                     log.info("stabilitywatch: the guard reads its flag on the host once per step "
                              "(%s is not a fused torch.optim optimizer)",
@@ -57,6 +59,8 @@ class SentinelControl:
                      "gradient flag (alerts are decided on one rank and do not escalate)")
         self._device = next((p.device for _, _, p in mon.taps.params), torch.device("cpu"))
         self._was_tripped = False
+        self.read_through: Optional[int] = None   # the latest step whose frame was handled
+        self._skip_seen: Optional[int] = None      # the latest skipped step not let go yet
         mon.sentinel.after_write.append(self._after_write)
         if self.guard is not None:
             mon.sentinel.after_step_fns.append(self._after_step)
@@ -96,10 +100,29 @@ class SentinelControl:
     def on_polled(self) -> None:
         """After each read of frames: escalate on a sentinel that went from clean to tripped."""
         for sent in self.store.drain_read():
+            # every rank reads the same sentinels (frames may reach rank 0 alone): the guard's
+            # latch is let go from these, on the same step everywhere
+            self.read_through = sent.step if self.read_through is None else max(
+                self.read_through, sent.step)
+            if sent.skipped or sent.any_rank_bad:
+                self._skip_seen = sent.step
             tripped = bool(sent.any_rank_bad) if self.multi else sent.tripped
             if tripped and not self._was_tripped and self.escalate:
                 self._escalate(f"non-finite gradients at step {sent.step}")
             self._was_tripped = tripped
+
+    def release(self, through: Optional[int]) -> None:
+        """At a step boundary on the training thread, once captures took their copies: the
+        guard's latch lets go of skipped steps through `through` (frames handled)."""
+        if self.guard is None or self._skip_seen is None or through is None:
+            return
+        if through >= self._skip_seen:
+            self._skip_seen = None
+        try:
+            self.guard.release(through)
+        except Exception as e:   # the latch lets go by itself after HOLD_LIMIT steps
+            log.warning("stabilitywatch: releasing the guard's latch failed (%s: %s)",
+                        type(e).__name__, e)
 
     def on_alerts(self, frame, alerts: list[Alert]) -> list[Alert]:
         sent = frame.sentinel

@@ -14,6 +14,13 @@ host wait), so every rank skips the same step; the same reduced flag drives esca
 - Any other optimizer: the flag is read on the host (one sync per step, only there) and, when
   set, every parameter's gradient is set to None before step() runs: torch optimizers skip
   parameters without a gradient, so nothing moves (the loop's zero_grad() after it is a no-op).
+
+The latch (`hold=True`, on while captures are on): frames are read on the host a step late, so
+a capture of a skipped step N finds the weights moved by step N+1 unless those steps are skipped
+too. A set flag latches (on the device, no sync: the step number of the first skipped step) and
+every later step is skipped until the host has read step N's frame, copied the state it needs,
+and called `release(N)`; the latch lets go by itself after HOLD_LIMIT steps, so a frame never
+read cannot stop training.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch
 log = logging.getLogger("stabilitywatch")
 
 _NO_PREV = object()
+HOLD_LIMIT = 8   # steps the latch skips at most when the host never releases it
 
 
 def inner_optimizer(opt):
@@ -70,12 +78,15 @@ class CrossRankFlag:
 
 
 class Guard:
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, hold: bool = False):
         self.opt = inner_optimizer(optimizer)
         self.fused = is_fused(self.opt)
+        self.hold = hold
         self._prev = _NO_PREV
         self._device: Optional[torch.device] = None
         self.skipped_host: list[int] = []   # steps the host-side fallback skipped
+        # first skipped step + 1 while latched, else 0: a device tensor (fused) or an int (host)
+        self._latch: "torch.Tensor | int" = 0
 
     def before_step(self, flag: torch.Tensor, step: Optional[int]) -> None:
         """Called in the optimizer's pre-step hook with this step's (reduced) flag."""
@@ -84,18 +95,43 @@ class Guard:
                 devs = {p.device for g in self.opt.param_groups for p in g["params"]}
                 self._device = next(iter(devs)) if len(devs) == 1 else flag.device
             f = flag.detach().to(device=self._device, dtype=torch.float32).reshape(())
+            if self.hold and step is not None:
+                f = self._latched(f, step)
             prev = getattr(self.opt, "found_inf", None)
             self._prev = prev
             if prev is not None:   # a GradScaler's: both must be clean for the step to run
                 f = torch.maximum(prev.to(f).reshape(()), f).reshape(prev.shape)
             self.opt.found_inf = f
             return
-        if float(flag) > 0:   # sync-ok: the documented fallback for non-fused optimizers
+        bad = float(flag) > 0   # sync-ok: the documented fallback for non-fused optimizers
+        if self.hold and step is not None:
+            held = self._latch and step + 1 - self._latch < HOLD_LIMIT
+            self._latch = self._latch if held else (step + 1 if bad else 0)
+            bad = bad or bool(held)
+        if bad:
             for g in self.opt.param_groups:
                 for p in g["params"]:
                     p.grad = None
             if step is not None:
                 self.skipped_host.append(step)
+
+    def _latched(self, f: torch.Tensor, step: int) -> torch.Tensor:
+        """This step's skip flag with the latch applied, and the latch updated (device ops)."""
+        if not isinstance(self._latch, torch.Tensor):
+            self._latch = torch.zeros((), dtype=torch.int64, device=self._device)
+        latch = self._latch
+        held = (latch > 0) & (step + 1 - latch < HOLD_LIMIT)
+        new = torch.where(held, latch, torch.where(f > 0, step + 1, 0))
+        latch.copy_(new)
+        return torch.maximum(f, held.to(f.dtype))
+
+    def release(self, through: int) -> None:
+        """The host has read the frames through step `through` (and copied what it needs): a
+        latch set at or before it lets go. A latch set later holds."""
+        if isinstance(self._latch, torch.Tensor):
+            self._latch.masked_fill_(self._latch <= through + 1, 0)   # on the device, no sync
+        elif self._latch and self._latch <= through + 1:
+            self._latch = 0
 
     def after_step(self) -> None:
         """The optimizer's post-step hook: the attribute as it was (GradScaler deletes its own)."""

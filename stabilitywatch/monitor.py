@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .alert import SCHEMA_VERSION, Alert
+from .capture.context import CaptureContext
 from .capture.manager import CaptureManager
 from .config import Config, Role
 from .detectors.base import Cooldown
@@ -25,6 +26,7 @@ from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
 from .distributed.runinfo import RunInfo
 from .escalation import SentinelControl
+from .guard import HOLD_LIMIT
 from .inplace import InPlaceRerun
 from .hooks.extra import ExtraTaps
 from .integrations.accelerate import unwrap_optimizer
@@ -127,7 +129,7 @@ class Monitor:
         self.control = SentinelControl(self)
         self.inplace = InPlaceRerun(self)     # rerun_skipped: a skipped step again, every role
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
-        self.capture = CaptureManager(self) if config.capture else None
+        self.capture = CaptureManager(self._capture_context()) if config.capture else None
         self.observers = attach_observers(model, self.observe)
         try:
             self.taps.attach()
@@ -224,6 +226,7 @@ class Monitor:
             if self._step is not None:
                 self._end()
             self._process(block=True)
+            self._boundary()
         except Exception as e:
             log.warning("stabilitywatch: flushing the last steps failed (%s: %s)",
                         type(e).__name__, e)
@@ -289,6 +292,7 @@ class Monitor:
     def _begin(self, step: int, batch: Any) -> None:
         if self._step is not None:  # a step left open (an exception outside the with block)
             self._end()
+        self._boundary()
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.buffer.begin_step(step)
@@ -314,8 +318,32 @@ class Monitor:
         if self.inplace.on and self.buffer.pending > queued:
             self.inplace.wait(self.buffer.last_pending())
         self._process(block=False)
+        self._boundary()
         if step is not None:
             self.inplace.after_frames(step)
+
+    def _boundary(self) -> None:
+        """Between steps, on the training thread: captures take their copies (capture/
+        manager.py), then the guard lets go of the skipped steps whose frames were handled."""
+        through = self.control.read_through
+        if self.capture is not None:
+            try:   # frames read but not yet decided on by capture keep their hold
+                decided = self.capture.at_boundary()
+                if decided is not None and through is not None:
+                    through = min(through, decided)
+            except Exception as e:
+                self._warn_once("capture", f"capture failed ({type(e).__name__}: {e})")
+        self.control.release(through)
+
+    def _capture_context(self) -> CaptureContext:
+        control = self.control
+        return CaptureContext(
+            model=self.model, optimizer=self.optimizer, config=self.config,
+            run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
+            modules=tuple(n for n, _ in self.modules), model_factory=self.model_factory,
+            step_fn=self.step_fn, escalated=self.schedule.escalated,
+            guard_holds=lambda: control.guard is not None and control.guard.hold,
+            hold_limit=HOLD_LIMIT)
 
     def _is_on(self, role: Role) -> bool:
         # while a shadow replica runs, its tensors are not the live ones: the taps stay quiet

@@ -18,7 +18,7 @@ MANIFEST_KEYS = {"kind", "schema", "step", "rank", "world_size", "alerts", "conf
 
 
 def cfg(**kw):
-    return sw.Config(**{"every": 1, "sinks": ("jsonl",), **kw})
+    return sw.Config(**{"every": 1, "sinks": ("jsonl",), "capture_snapshot": "sampled", **kw})
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +45,10 @@ def test_alert_points_to_a_complete_bundle(run):
     assert [x["capture"] for x in lines if x["step"] == 3] == ["captures/step00000003-rank0"] * \
         sum(1 for x in lines if x["step"] == 3)
     bundle = out / crit[0].capture
+    # escalated.json (and its checksum): the rows of the escalated steps 4 and 5 after it
     assert sorted(p.name for p in bundle.iterdir()) == sorted(
         [MANIFEST, SUMS, "model.safetensors", "optimizer.safetensors", "batch.safetensors",
-         "rng.safetensors"])
+         "rng.safetensors", "escalated.json", "escalated.sha256"])
     assert not [p for p in (out / "captures").iterdir() if p.name.startswith(".tmp")]
     m = json.loads((bundle / MANIFEST).read_text())
     assert MANIFEST_KEYS <= set(m)
@@ -144,9 +145,13 @@ def test_snapshot_policies(tmp_path):
     assert mon.capture.snap.nbytes == 0
     mon, _, _ = cm.train(tmp_path / "none", config=cfg(capture=()))
     assert mon.capture is None and all(a.capture is None for a in mon.alerts)
-    # sampled: every=4, warmup=0 -> steps 0 and 4 sampled; the fault at 3 shows only in the loss
+    # sampled: every=4, warmup=0 -> steps 0 and 4 sampled; the fault at 3 shows only in the
+    # loss, and its bundle says it lacks the start-of-step state (no snapshot of step 3)
     mon, _, _ = cm.train(tmp_path / "sampled", config=cfg(every=4, warmup=0, capture_ring=1))
-    assert not [a for a in mon.alerts if a.capture]      # step 3 had no snapshot to write
+    at3 = [a for a in mon.alerts if a.step == 3]
+    assert at3 and all(a.capture == "captures/step00000003-rank0" for a in at3)
+    m = json.loads((tmp_path / "sampled" / at3[0].capture / MANIFEST).read_text())
+    assert m["lacks"] == ["model", "optimizer"] and "sampled steps only" in m["lacks_why"]
     mon, _, _ = cm.train(tmp_path / "every", config=cfg(every=4, warmup=0,
                                                          capture_snapshot="every"))
     assert [a.capture for a in mon.alerts if a.step == 3][:1] == ["captures/step00000003-rank0"]

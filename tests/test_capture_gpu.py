@@ -43,8 +43,8 @@ def _host_ring_run(run_dir, **adamw):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 8)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw)
-    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot_to="host"),
-                   run_dir=run_dir)
+    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot="sampled",
+                                                capture_snapshot_to="host"), run_dir=run_dir)
     for step in range(4):
         with mon.step(step, batch=torch.randn(16, 64, device="cuda")):
             loss = model(torch.randn(16, 64, device="cuda")).square().mean()

@@ -89,6 +89,15 @@ def test_sentinel_and_guard_do_not_sync(tmp_path):
     crit = [a for a in mon.alerts if a.severity.value == "critical"]
     assert crit and crit[0].step == 4 and crit[0].tensor.startswith("grad")
     assert crit[0].extra.get("skipped") is True
+    # its bundle: the guard held step 4's state (frames are read a step late: step 5 skipped
+    # too) and the capture copied it at a step boundary, without a sync the debug mode flags
+    from stabilitywatch.capture.reader import open_capture
+    cap = open_capture(tmp_path / crit[0].capture)
+    held = cap.manifest["held"]
+    assert cap.manifest["lacks"] == [] and held["first"] == 4 and held["skipped_steps"] >= 2
+    assert crit[0].extra["held_steps"] == held["skipped_steps"]
+    name = next(n for n, p in model.named_parameters() if p is target)
+    assert torch.equal(cap.tensors("model")[name], w.cpu())
 
 
 def test_sentinel_kernel_equals_twin_on_gpu():
@@ -145,6 +154,7 @@ def test_host_snapshot_ring_does_not_sync(tmp_path):
                     slot.host.flat.is_pinned())
 
     mon = train_without_syncs(tmp_path, sw.Config(every=1, sinks=("jsonl",),
+                                                  capture_snapshot="sampled",
                                                   capture_snapshot_to="host"), ring)
     assert not mon.capture.snap.disabled and seen == {"model": True, "pinned": True}
     assert mon.capture.snap.nbytes == 0   # close() freed the ring

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Callable, Optional
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_REPRODUCED, EXIT_DEPARTS = 0, 2, 3, 4
 FAIL_ON = {"not-reproduced": EXIT_NOT_REPRODUCED, "departs": EXIT_DEPARTS}
@@ -83,12 +84,13 @@ def add_parsers(sub) -> None:
                         "longer than 1 s)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """The exit status (see the module docstring); errors are one line on stderr."""
+def run(args: argparse.Namespace, watch: Optional[Callable] = None) -> int:
+    """The exit status (see the module docstring); errors are one line on stderr. `watch`: the
+    monitor replay re-runs the step under (stabilitywatch.watch)."""
     try:
         if args.cmd == "inspect":
             return _inspect(args)
-        return _replay(args)
+        return _replay(args, watch)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # bundle errors, and whatever the user's model code raises
@@ -120,7 +122,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace, watch: Optional[Callable]) -> int:
     from .replay import replay
     from .report import replay_text
 
@@ -139,7 +141,7 @@ def _replay(args: argparse.Namespace) -> int:
                     trust_recorded=args.trust_recorded, device=args.device, upcast=args.upcast,
                     reference=args.reference, tol=args.tol,
                     emulate_formats=not args.compute_only, progress=not args.no_progress,
-                    json_file=None if to_stdout else args.json)
+                    json_file=None if to_stdout else args.json, watch=watch)
     print(json.dumps(report, indent=1) if to_stdout else replay_text(report))
     if "not-reproduced" in args.fail_on and not report["reproduces"]:
         return EXIT_NOT_REPRODUCED

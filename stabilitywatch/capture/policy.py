@@ -15,10 +15,14 @@ SEV_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 class SnapshotPolicy(str, enum.Enum):
-    """On which steps the start-of-step state (weights, optimizer state, RNG, batch) is kept."""
-    SAMPLED = "sampled"   # steps where the schedule reads more than the loss (alerts come from those)
-    EVERY = "every"       # every step: a loss-only alert (NaN loss at an unsampled step) can be captured
-    OFF = "off"           # never: bundles are not written (nothing to replay from)
+    """What is kept per step for a bundle (capture/state.py). Every policy but "off" keeps each
+    step's batch (a reference) and RNG states, and writes a bundle for every alert that asks for
+    one; they differ in the weights and optimizer state."""
+    AUTO = "auto"         # no per-step copy: with the guard, a skipped step's state (held by the
+    #                       guard) copied once for its bundle; without it, bundles lack the weights
+    SAMPLED = "sampled"   # also a start-of-step copy of all weights and optimizer state on sampled steps
+    EVERY = "every"       # also that copy on every step
+    OFF = "off"           # nothing kept: bundles are not written
 
 
 class SnapshotTarget(str, enum.Enum):

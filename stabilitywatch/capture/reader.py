@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .writer import BUNDLE_SCHEMA, KIND, MANIFEST, SUMS, TENSOR_FILES
+from .writer import BUNDLE_SCHEMA, ESCALATED, ESCALATED_SUM, KIND, MANIFEST, SUMS, TENSOR_FILES
 
 # Bounds for the two files whose size no other file states. SHA256SUMS holds a handful of
 # lines; the manifest holds the step's statistics rows (about 3 kB per row).
@@ -73,6 +73,32 @@ class Capture:
     def _size(self, name: str) -> int:
         return self.manifest["files"][name]["bytes"]
 
+    def escalated(self) -> list[dict]:
+        """The rows of the escalated steps after the captured one (escalated.json, checked
+        against escalated.sha256): [{step, keys, phases, scales, rows}]; [] when the bundle has
+        none. Written after the bundle: a file without its checksum is not read."""
+        with _bundle_dir(self.path) as dfd:
+            present = _entries(dfd, self.path)
+            if present.get(ESCALATED) != "file" or present.get(ESCALATED_SUM) != "file":
+                return []
+            with _checked(dfd, self.path, ESCALATED_SUM, limit=1024) as (fd, n):
+                line = _read(fd, n, self.path, ESCALATED_SUM).decode("ascii", "replace")
+            with _checked(dfd, self.path, ESCALATED, limit=MAX_MANIFEST_BYTES) as (fd, n):
+                raw = _read(fd, n, self.path, ESCALATED)
+        if line.split("  ")[0].strip() != hashlib.sha256(raw).hexdigest():
+            raise CaptureError(f"{self.path}: checksum mismatch for {ESCALATED}: the file was "
+                               f"truncated or altered")
+        try:
+            body = json.loads(raw)
+            frames = body["frames"]
+            if not (isinstance(frames, list) and all(
+                    isinstance(f, dict) and isinstance(f.get("step"), int)
+                    and isinstance(f.get("rows"), list) for f in frames)):
+                raise ValueError("frames")
+        except (ValueError, TypeError, KeyError, RecursionError):
+            raise CaptureError(f"{self.path}: {ESCALATED} is malformed") from None
+        return frames
+
 
 def open_capture(path: "str | Path",
                  progress: Optional[Callable[[int, int], None]] = None) -> Capture:
@@ -98,7 +124,8 @@ def open_capture(path: "str | Path",
                                    f"files only; refusing to read it")
         with _checked(dfd, p, SUMS, limit=MAX_SUMS_BYTES) as (fd, n):
             sums = _parse_sums(_read(fd, n, p, SUMS), p)
-        present = set(entries) - {SUMS}
+        # the escalated rows come later, with their own checksum (Capture.escalated)
+        present = set(entries) - {SUMS, ESCALATED, ESCALATED_SUM}
         unexpected = sorted(present - set(sums))
         if unexpected:
             raise CaptureError(f"{p}: unexpected file(s) {', '.join(map(_shown, unexpected))} "

@@ -42,7 +42,8 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
            step_fn: "str | Callable | None" = None, trust_recorded: bool = False,
            device: Optional[str] = None, upcast: Sequence[str] = (), reference: str = "fp64",
            tol: float = 0.1, emulate_formats: bool = True, optimizer: Optional[Callable] = None,
-           progress: Optional[bool] = None, json_file: "str | Path | None" = None) -> dict:
+           progress: Optional[bool] = None, json_file: "str | Path | None" = None,
+           watch: Optional[Callable] = None) -> dict:
     """Replay a capture bundle; returns the report (a JSON-able dict). See the module docstring
     and the README's "Post-mortem" section.
 
@@ -50,7 +51,10 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
     paths 'pkg.mod:fn' or callables); the names recorded in the bundle are used only with
     `trust_recorded=True` (after reading them in `stabilitywatch inspect`). Raises CaptureError
     (a ValueError) for a missing, truncated or tampered bundle, for code not named, or for a
-    model factory or step function that cannot be imported or returns the wrong thing."""
+    model factory or step function that cannot be imported or returns the wrong thing.
+
+    `watch`: the monitor that re-runs the step (stabilitywatch.watch; stabilitywatch.replay
+    passes it)."""
     if reference not in REF_DTYPES:
         raise ValueError(f"replay: reference must be one of {sorted(REF_DTYPES)}, got {reference!r}")
     if not (isinstance(tol, (int, float)) and tol > 0):
@@ -67,7 +71,7 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         cap = open_capture(capture, progress=bar.amount)
         bar.phase("building the model and loading the captured state")
         setup = Setup(cap, model_factory, step_fn, device, optimizer,
-                      trust_recorded=trust_recorded)
+                      trust_recorded=trust_recorded, watch=watch)
         m = cap.manifest
         report: dict[str, Any] = {
             "capture": str(cap.path), "step": cap.step, "rank": m["rank"],
@@ -83,6 +87,7 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
                           first_divergent_module=None, first_divergent=None, explanation=None)
             report["verdict"] = decide(report["reproduce"], None, None, versions,
                                        setup.lacks, reference)
+            _lacks_why(report["verdict"], m)
             report.update(upcast=None, seconds=round(time.perf_counter() - t0, 3))
             return _finish(report, json_file)
         bar.phase("re-running the step as recorded")
@@ -110,6 +115,7 @@ def replay(capture: "str | Path", *, model_factory: "str | Callable | None" = No
         devices = (str(dev.get("type") or ""), setup.device.type)
         report["verdict"] = decide(report["reproduce"], first, report["explanation"], versions,
                                    setup.lacks, reference, devices)
+        _lacks_why(report["verdict"], m)
         report["upcast"] = None
         if upcast:
             bar.phase(f"re-running with {', '.join(upcast)} in fp32")
@@ -261,3 +267,11 @@ def _json_safe(v: Any) -> Any:
     if isinstance(v, (np.floating, np.integer)):
         return _json_safe(v.item())
     return v
+
+
+def _lacks_why(verdict: dict, m: dict) -> None:
+    """The bundle's own word on why it lacks parts (manifest `lacks_why`), in the verdict."""
+    why = m.get("lacks_why")
+    if verdict.get("kind") == "lacks" and m.get("lacks") and isinstance(why, str) and why:
+        verdict["lacks_why"] = why
+        verdict["text"] += f" (the bundle says: {why})"

@@ -233,8 +233,13 @@ def inspect_text(cap: Any) -> str:
         out.append(f"    {a['severity']:<8} {a['detector']:<9} {a['module'] or '<model>'} "
                    f"{a['tensor']} {a['stat']}={_num(a['value'])}")
     if isinstance(m.get("lacks"), list) and m["lacks"]:
+        why = m.get("lacks_why")
         out.append(f"  written without: {', '.join(map(str, m['lacks']))} (replay runs without "
-                   f"them and says so)")
+                   f"them and says so)" + (f": {printable(why)}" if isinstance(why, str) else ""))
+    held = m.get("held")
+    if isinstance(held, dict) and isinstance(held.get("skipped_steps"), int):
+        out.append(f"  state: held by the guard, {held['skipped_steps']} step(s) skipped "
+                   f"({printable(str(held.get('first')))}..{printable(str(held.get('last')))})")
     for stem in ("model", "optimizer"):
         size = m["files"][f"{stem}.safetensors"]["bytes"]
         out.append(f"  {stem} state: {len(cap.header(stem))} tensors, {size / 1e6:.2f} MB")

@@ -2,7 +2,9 @@
 batch, and run `step_fn(model, batch) -> loss`, backward and the optimizer step.
 
 The model factory and step function are the user's (trust.py decides which names may be
-imported, and checks what they return); opening or inspecting a bundle imports nothing.
+imported, and checks what they return); opening or inspecting a bundle imports nothing. The
+monitor that re-runs the step is handed in (`watch`, stabilitywatch.watch): capture/ sits below
+the Monitor and does not import it.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ class Setup:
 
     def __init__(self, cap: Capture, model_factory: "str | Callable | None" = None,
                  step_fn: "str | Callable | None" = None, device: Optional[str] = None,
-                 optimizer: Optional[Callable] = None, trust_recorded: bool = False):
+                 optimizer: Optional[Callable] = None, trust_recorded: bool = False,
+                 watch: Optional[Callable] = None):
         m = cap.manifest
+        self.watch = watch
         self.cap, self.step = cap, cap.step
         if not trust_recorded and (model_factory is None or step_fn is None):
             raise CaptureError(untrusted_message(model_factory is not None, step_fn is not None))
@@ -146,8 +150,10 @@ class Setup:
     def run_monitored(self, upcast: tuple[str, ...] = ()):
         """The step as recorded (optionally with modules forced to fp32) under a fresh Monitor
         with the capture's Config. Returns (frame of the step or None, alerts, loss)."""
-        from ..monitor import watch
-
+        if self.watch is None:
+            raise CaptureError("re-running a step needs the monitor: call stabilitywatch.replay "
+                               "(or pass watch=stabilitywatch.watch)")
+        watch = self.watch
         model = self.model()
         for name in self.matching(model, list(upcast)):
             force_precision(model.get_submodule(name), torch.float32, self.device.type)
@@ -162,6 +168,8 @@ class Setup:
                 frames.append(frame)
                 handle(frame)
             mon._handle = keep
+            if self.cap.manifest.get("escalated_step") is True:
+                mon.schedule.force_next()   # the run read every role at this step
             self.restore_rng()
             try:
                 with mon.step(self.step, batch=batch):

@@ -198,10 +198,11 @@ class Snapshotter:
             torch.cuda.current_stream(dev).wait_event(ev)
         self._waits.clear()
 
-    def release_through(self, seq: int) -> None:
-        """Free the slots of steps begun at or before sequence number `seq`."""
+    def release_through(self, seq: int, keep: "set[int] | frozenset[int]" = frozenset()) -> None:
+        """Free the slots of steps begun at or before sequence number `seq`, but those of `keep`
+        (a bundle still to copy from them)."""
         for s in self.slots:
-            if s.step is not None and s.seq <= seq:
+            if s.step is not None and s.seq <= seq and s.seq not in keep:
                 s.step, s.batch, s.rng = None, None, {}
 
     def find(self, step: int) -> Optional[Slot]:

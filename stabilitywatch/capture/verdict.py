@@ -35,7 +35,7 @@ LARGE_BITS = 1.0      # a row whose absmax or L2 norm moved by 2x or more depart
 def version_differences(recorded: Any) -> list[dict]:
     """The packages whose recorded version differs from the running one (nothing when the bundle
     records no versions)."""
-    from .manager import _versions
+    from .contents import versions as _versions
 
     if not isinstance(recorded, dict):
         return []

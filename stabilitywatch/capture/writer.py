@@ -8,6 +8,8 @@ A bundle is a directory:
     batch.safetensors      the batch's tensors (its structure is in the manifest)
     rng.safetensors        torch CPU/CUDA generator states (Python/NumPy states are in the manifest)
     SHA256SUMS             `sha256sum -c SHA256SUMS` format, covering every file above
+    escalated.json         (later) the rows of the escalated steps after it, once they are read,
+    escalated.sha256       with its checksum; the files above never change once written
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,8 @@ SUMS = "SHA256SUMS"
 KIND = "stabilitywatch.capture"
 BUNDLE_SCHEMA = 1
 TENSOR_FILES = ("model", "optimizer", "batch", "rng")
+ESCALATED = "escalated.json"
+ESCALATED_SUM = "escalated.sha256"
 
 
 def sha256_file(path: Path) -> str:
@@ -92,6 +97,24 @@ def write_bundle(root: Path, name: str, manifest: dict,
         raise
 
 
+def write_rows(bundle: Path, frames: list[dict]) -> None:
+    """The escalated steps' rows beside a written bundle: each file written whole under a
+    temporary name and renamed into place (the checksum last: a bundle without it has none)."""
+    if not (bundle / MANIFEST).is_file():   # deleted since (keep_last made room)
+        return
+    body = json.dumps({"kind": "stabilitywatch.escalated", "frames": frames}, allow_nan=False)
+    for name, text in ((ESCALATED, body), (ESCALATED_SUM, None)):
+        tmp = bundle.parent / f".tmp-{bundle.name}-{name}"   # outside: a bundle holds no extras
+        if text is None:
+            text = f"{sha256_file(bundle / ESCALATED)}  {ESCALATED}\n"
+        try:
+            tmp.write_text(text)
+            _fsync(tmp)
+            os.replace(tmp, bundle / name)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
 def _free_name(root: Path, name: str) -> Path:
     final, i = root / name, 1
     while final.exists():              # a resumed run capturing the same step again
@@ -108,6 +131,7 @@ class _Entry:
     path: Path
     nbytes: int
     mtime: float
+    reserved: bool = False   # named on alerts, not written yet
 
 
 class Store:
@@ -155,3 +179,26 @@ class Store:
 
     def add(self, path: Path) -> None:
         self.entries.append(_Entry(path, bundle_bytes(path), path.stat().st_mtime))
+
+    def reserve(self, name: str, nbytes: int) -> str:
+        """A free bundle name, counted against the limits with about `nbytes` until the bundle
+        is written (`settle`): alerts name a bundle before it is on disk."""
+        taken = {e.path.name for e in self.entries}
+        final, i = name, 1
+        while final in taken or (self.root / final).exists():
+            final, i = f"{name}.{i}", i + 1
+        self.entries.append(_Entry(self.root / final, nbytes, time.time(), reserved=True))
+        return final
+
+    def reserved(self, name: str) -> Optional[_Entry]:
+        return next((e for e in self.entries if e.reserved and e.path.name == name), None)
+
+    def settle(self, name: str, path: Optional[Path]) -> None:
+        """The reserved bundle `name` was written at `path`, or not at all (None)."""
+        e = self.reserved(name)
+        if e is None:
+            return
+        if path is None:
+            self.entries.remove(e)
+        else:
+            e.path, e.nbytes, e.reserved = path, bundle_bytes(path), False
