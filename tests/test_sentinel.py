@@ -305,8 +305,9 @@ def _frame_of(store, step):
 
 def test_write_again_rereads_the_gradients_in_place_and_refuses_moved_ones():
     from stabilitywatch.stats.sentinel_store import SentinelStore
+    from stabilitywatch.stats.backend import TORCH
     params = [nn.Parameter(torch.zeros(n)) for n in SIZES if n]
-    store = SentinelStore("torch")
+    store = SentinelStore(TORCH)
     store.set_keys([("m", str(k)) for k in range(len(params))])
     assert not store.write_again(params)                 # nothing written yet
     for p, g in zip(params, _grads(torch.float32, [p.numel() for p in params])):
