@@ -4,9 +4,9 @@ passes over its tiles: the fast pass (tile_fast.py, unscaled tensors), the fp8 b
 (tile_fp8.py), or the careful pass below (scaled tensors, and programs whose data the fast pass
 cannot count exactly).
 
-Why this shape: an earlier kernel kept ~20 accumulators as [BLOCK] vectors (8 registers each per
-thread), compiled to 255 registers per thread and left too few warps to keep HBM busy. Here each
-thread reads a [U, V] piece of a [U, T, V] tile (U loads of 16 bytes), reduces it in its own
+Why this shape: ~20 accumulators as [BLOCK] vectors (8 registers each per thread) compile to 255
+registers per thread and leave too few warps to keep HBM busy (docs/kernels.md). Here each thread
+reads a [U, V] piece of a [U, T, V] tile (U loads of 16 bytes), reduces it in its own
 registers and keeps one register per accumulator; the next tile is loaded while this one is
 reduced (80-128 registers, no spills: benchmarks/kernel_resources.py).
 
@@ -73,7 +73,10 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, ENC: tl.co
     bins = tl.arange(0, HBINS)
     zt = tl.zeros([T], dtype=tl.int32)
     nzall = zt    # nonzero lanes, NaN/Inf included
-    cm4, cm5, cm6, ch4, ch5, ch6, cs4, cs5, cs6 = zt, zt, zt, zt, zt, zt, zt, zt, zt
+    # per format, #(u > *_MAX_BITS), #(u > *_UNDERFLOW_BITS), #(u > *_NORMAL_BITS)
+    gt_e4_max, gt_e5_max, gt_f16_max = zt, zt, zt
+    gt_e4_under, gt_e5_under, gt_f16_under = zt, zt, zt
+    gt_e4_normal, gt_e5_normal, gt_f16_normal = zt, zt, zt
     amx = tl.full([T], -1, tl.int32)
     amn = tl.full([T], ABS_MASK, tl.int32)
     mn = tl.full([T], float("inf"), tl.float32)
@@ -158,15 +161,15 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, ENC: tl.co
             ymin = tmin
             ymax = tmax
         if PART_COUNTS & PARTS:
-            cm4 = _count_gt(yu, E4M3_MAX_BITS, ymin, ymax, nz_t, cm4)
-            cm5 = _count_gt(yu, E5M2_MAX_BITS, ymin, ymax, nz_t, cm5)
-            cm6 = _count_gt(yu, FP16_MAX_BITS, ymin, ymax, nz_t, cm6)
-            ch4 = _count_gt(yu, E4M3_UNDERFLOW_BITS, ymin, ymax, nz_t, ch4)
-            ch5 = _count_gt(yu, E5M2_UNDERFLOW_BITS, ymin, ymax, nz_t, ch5)
-            ch6 = _count_gt(yu, FP16_UNDERFLOW_BITS, ymin, ymax, nz_t, ch6)
-            cs4 = _count_gt(yu, E4M3_NORMAL_BITS, ymin, ymax, nz_t, cs4)
-            cs5 = _count_gt(yu, E5M2_NORMAL_BITS, ymin, ymax, nz_t, cs5)
-            cs6 = _count_gt(yu, FP16_NORMAL_BITS, ymin, ymax, nz_t, cs6)
+            gt_e4_max = _count_gt(yu, E4M3_MAX_BITS, ymin, ymax, nz_t, gt_e4_max)
+            gt_e5_max = _count_gt(yu, E5M2_MAX_BITS, ymin, ymax, nz_t, gt_e5_max)
+            gt_f16_max = _count_gt(yu, FP16_MAX_BITS, ymin, ymax, nz_t, gt_f16_max)
+            gt_e4_under = _count_gt(yu, E4M3_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_e4_under)
+            gt_e5_under = _count_gt(yu, E5M2_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_e5_under)
+            gt_f16_under = _count_gt(yu, FP16_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_f16_under)
+            gt_e4_normal = _count_gt(yu, E4M3_NORMAL_BITS, ymin, ymax, nz_t, gt_e4_normal)
+            gt_e5_normal = _count_gt(yu, E5M2_NORMAL_BITS, ymin, ymax, nz_t, gt_e5_normal)
+            gt_f16_normal = _count_gt(yu, FP16_NORMAL_BITS, ymin, ymax, nz_t, gt_f16_normal)
         # exponent histogram of finite nonzero |x|; windows only where no bin is clamped
         elo = tmin >> 23
         ehi = hmax >> 23
@@ -194,9 +197,9 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, ENC: tl.co
     # subnormal = #(y > half-sub) - #(y >= subnormal limit). NaN/Inf x have y above every
     # threshold, so they are taken out of each count.
     nzf = nza - nonfin
-    g_h4 = tl.sum(ch4, 0) - nonfin
-    g_h5 = tl.sum(ch5, 0) - nonfin
-    g_h6 = tl.sum(ch6, 0) - nonfin
+    fin_gt_e4_under = tl.sum(gt_e4_under, 0) - nonfin
+    fin_gt_e5_under = tl.sum(gt_e5_under, 0) - nonfin
+    fin_gt_f16_under = tl.sum(gt_f16_under, 0) - nonfin
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
     v = _put(v, idx, Row.NUMEL, tl.where(pid == 0, n_full, 0))
@@ -208,20 +211,20 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, ENC: tl.co
     v = _put(v, idx, Row.MAX, tl.max(mx, 0))
     v = _put(v, idx, Row.ABSMAX, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
     v = _put(v, idx, Row.ABSMIN_NZ, tl.where(an == ABS_MASK, float("inf"),
-                                      an.to(tl.float32, bitcast=True)))
+                                             an.to(tl.float32, bitcast=True)))
     s1t = tl.sum(s1, 0)
     v = _put(v, idx, Row.SUM, s1t)
     v = _put(v, idx, Row.SUMSQ, tl.sum(s2, 0))
     v = _at_row_shift(v, idx, s1t, tl.sum(s2k, 0), mine - nonfin, kp, krow)
-    v = _put(v, idx, Row.E4M3_OVERFLOW, tl.sum(cm4, 0) - nonfin)
-    v = _put(v, idx, Row.E4M3_UNDERFLOW, nzf - g_h4)
-    v = _put(v, idx, Row.E4M3_SUBNORMAL, g_h4 - tl.sum(cs4, 0) + nonfin)
-    v = _put(v, idx, Row.E5M2_OVERFLOW, tl.sum(cm5, 0) - nonfin)
-    v = _put(v, idx, Row.E5M2_UNDERFLOW, nzf - g_h5)
-    v = _put(v, idx, Row.E5M2_SUBNORMAL, g_h5 - tl.sum(cs5, 0) + nonfin)
-    v = _put(v, idx, Row.FP16_OVERFLOW, tl.sum(cm6, 0) - nonfin)
-    v = _put(v, idx, Row.FP16_UNDERFLOW, nzf - g_h6)
-    v = _put(v, idx, Row.FP16_SUBNORMAL, g_h6 - tl.sum(cs6, 0) + nonfin)
+    v = _put(v, idx, Row.E4M3_OVERFLOW, tl.sum(gt_e4_max, 0) - nonfin)
+    v = _put(v, idx, Row.E4M3_UNDERFLOW, nzf - fin_gt_e4_under)
+    v = _put(v, idx, Row.E4M3_SUBNORMAL, fin_gt_e4_under - tl.sum(gt_e4_normal, 0) + nonfin)
+    v = _put(v, idx, Row.E5M2_OVERFLOW, tl.sum(gt_e5_max, 0) - nonfin)
+    v = _put(v, idx, Row.E5M2_UNDERFLOW, nzf - fin_gt_e5_under)
+    v = _put(v, idx, Row.E5M2_SUBNORMAL, fin_gt_e5_under - tl.sum(gt_e5_normal, 0) + nonfin)
+    v = _put(v, idx, Row.FP16_OVERFLOW, tl.sum(gt_f16_max, 0) - nonfin)
+    v = _put(v, idx, Row.FP16_UNDERFLOW, nzf - fin_gt_f16_under)
+    v = _put(v, idx, Row.FP16_SUBNORMAL, fin_gt_f16_under - tl.sum(gt_f16_normal, 0) + nonfin)
     v = _put(v, idx, Row.BITS_LO, tl.sum(blo, 0))
     v = _put(v, idx, Row.BITS_HI, tl.sum(bhi, 0))
     return v, hist, hc0, hc1, e0

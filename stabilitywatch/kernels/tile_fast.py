@@ -241,7 +241,7 @@ def _words_unpair(p, LARGER: tl.constexpr):
 
 
 @triton.jit
-def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col,
+def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, gt_f16_normal, h2, table, col,
                  ENC: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
                  SUM32: tl.constexpr, LANE: tl.constexpr, PARTS: tl.constexpr):
     # one tile of float32 / fp16 / bf16 / fp8 values into the fast pass's accumulators
@@ -253,7 +253,7 @@ def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, co
     um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
     s1, s2, s2k, blo, bhi = _add_sums(x, bits, s1, s2, s2k, kp, blo, bhi, ENC, SUM32)
     if ENC == Enc.FLOAT and (PART_COUNTS & PARTS):  # float32 / fp16: fp16's subnormal limit
-        cs6 += _tsum((u > FP16_NORMAL_BITS).to(tl.int32))
+        gt_f16_normal += _tsum((u > FP16_NORMAL_BITS).to(tl.int32))
     if (PART_HIST & PARTS) == 0:
         pass
     elif LANE and (PART_COUNTS & PARTS):  # every table load of the tile before its atomics
@@ -263,7 +263,7 @@ def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, co
         _lane_hist_count(u, table)
     else:
         h2 += tl.histogram(_thr_key(u, TILE), 512)
-    return mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2
+    return mn, mx, um1, s1, s2, s2k, blo, bhi, gt_f16_normal, h2
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr, U
     # the row is wrong without ALL_PARTS): PART_COUNTS the threshold counts, PART_HIST the
     # histogram.
     TILE: tl.constexpr = U * T * V
-    cs6 = tl.zeros([T], dtype=tl.int32)
+    gt_f16_normal = tl.zeros([T], dtype=tl.int32)  # #(u > FP16_NORMAL_BITS), float32/fp16 only
     um1 = tl.full([T], 0xFFFFFFFF, tl.uint32)  # min of |x| bits - 1: zeros wrap to the top
     mn = tl.full([T], float("inf"), tl.float32)
     mx = tl.full([T], float("-inf"), tl.float32)
@@ -337,9 +337,9 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr, U
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
                              TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
-            mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2 = _values_tile(
-                cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col, ENC, U, T, V,
-                SUM32, LANE, PARTS)
+            mn, mx, um1, s1, s2, s2k, blo, bhi, gt_f16_normal, h2 = _values_tile(
+                cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, gt_f16_normal, h2, table, col, ENC,
+                U, T, V, SUM32, LANE, PARTS)
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)
@@ -351,8 +351,8 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr, U
         ab = tl.sum(tl.where(row == 1, hh, 0), 0)
     # every reduction below is block-wide (a barrier and a shared-memory round trip, in a chain
     # the program ends on): one for the scalars, one for all the counts, one for the flag
-    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, s6t, s2kt = tl.reduce(
-        (mn, mx, um1, s1, s2, blo, bhi, cs6, s2k), 0, _fold)
+    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, gt_f16_normal_t, s2kt = tl.reduce(
+        (mn, mx, um1, s1, s2, blo, bhi, gt_f16_normal, s2k), 0, _fold)
     cnt = _hist_counts(h, ab, f, ENC)
     idx = tl.arange(0, 32)
     clean = (tl.sum(tl.where(idx == NOT_EXACT, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
@@ -371,7 +371,7 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr, U
     mine = tl.cdiv(tl.maximum(n_full - pid * TILE, 0), nprog * TILE) * TILE
     v = _at_row_shift(v, idx, s1t, s2kt, mine, kp, krow)
     if ENC == Enc.FLOAT:  # fp16's subnormal limit, counted element by element
-        v = tl.where(idx == Row.FP16_SUBNORMAL, v - s6t.to(tl.float64), v)
+        v = tl.where(idx == Row.FP16_SUBNORMAL, v - gt_f16_normal_t.to(tl.float64), v)
     v = _put(v, idx, Row.BITS_LO, blot)
     v = _put(v, idx, Row.BITS_HI, bhit)
     # row bin b holds exponent field b + 31; bin 0 also fields 1..30, bin 127 fields 159..254

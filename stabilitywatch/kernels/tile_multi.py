@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import ENCODING, HBINS, N_ROW, Enc, Row
+from .constants import ALL_PARTS, ENCODING, HBINS, N_ROW, Enc, Row
 from .launch import FastLaunch
 from .row_ops import _claim_shift, _emit_scalars, _load_shift
 from .stats_multi import _device_table
@@ -57,10 +57,10 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ENC: tl.constexpr, HALF: t
     kp = _load_shift(x_ptr, ENC)
     krow = _claim_shift(out_ptr, kp)
     clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC, U, T, V, LANE,
-                                 WORDS, PREF)
+                                 WORDS, PREF, False, ALL_PARTS)
     if clean == 0:  # scale 1, no warp-vote histogram
         v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, kp, krow,
-                                               ENC, False, U, T, V, False, PREF)
+                                               ENC, False, U, T, V, False, PREF, False, ALL_PARTS)
     _emit_scalars(out_ptr, tl.arange(0, 32), v)
     bins = tl.arange(0, HBINS)
     tl.atomic_add(out_ptr + Row.HIST + bins, hist.to(tl.float64), mask=hist != 0,
