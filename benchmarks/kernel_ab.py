@@ -4,6 +4,7 @@ spills, shared memory, barriers).
 
     python benchmarks/kernel_ab.py --ref main                 # GPU: times and SASS
     python benchmarks/kernel_ab.py --ref main --compile-only  # no GPU: SASS for sm_90a
+    python benchmarks/kernel_ab.py --ref-dir DIR ...          # DIR/stabilitywatch: the other
 
 The revision's `stabilitywatch/` is unpacked (`git archive`) into a temporary directory as the
 package `sw_ref` (its top-level __init__ left empty, so that only the kernels and what they
@@ -29,13 +30,18 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def unpack(rev: str) -> str:
-    """The package of revision `rev` as `sw_ref` in a new temporary directory (on sys.path)."""
+def unpack(rev: str, ref_dir: "str | None" = None) -> str:
+    """The package of revision `rev` (or the `stabilitywatch/` folder inside ref_dir) as
+    `sw_ref` in a new temporary directory (on sys.path)."""
     tmp = tempfile.mkdtemp(prefix="kernel_ab_")
-    archive = subprocess.run(["git", "-C", REPO, "archive", rev, "stabilitywatch"],
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-    os.rename(os.path.join(tmp, "stabilitywatch"), os.path.join(tmp, "sw_ref"))
+    if ref_dir:
+        shutil.copytree(os.path.join(ref_dir, "stabilitywatch"), os.path.join(tmp, "sw_ref"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        archive = subprocess.run(["git", "-C", REPO, "archive", rev, "stabilitywatch"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        os.rename(os.path.join(tmp, "stabilitywatch"), os.path.join(tmp, "sw_ref"))
     with open(os.path.join(tmp, "sw_ref", "__init__.py"), "w") as f:
         f.write('"""stabilitywatch at another revision (benchmarks/kernel_ab.py)."""\n')
     sys.path.insert(0, tmp)
@@ -412,6 +418,8 @@ def _rows_agree(a, b, Stat) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ref", default="main", help="git revision to compare against")
+    p.add_argument("--ref-dir", default=None, help="instead of --ref: a folder holding the "
+                   "other build's stabilitywatch/ (where the tree has no .git)")
     p.add_argument("--compile-only", action="store_true", help="SASS for sm_90a, no GPU")
     p.add_argument("--dtypes", default="bf16;fp32;fp16;e4m3;e5m2")
     p.add_argument("--mib", default="2;24;96;512", help="tensor sizes, ;-separated")
@@ -431,7 +439,7 @@ def main(argv=None) -> int:
         a.mib, a.rounds, a.many = "0.0625", 1, True
         a.dtypes = a.dtypes if a.dtypes != p.get_default("dtypes") else "bf16;e4m3"
     sys.path.insert(0, REPO)
-    tmp = unpack(a.ref)
+    tmp = unpack(a.ref, a.ref_dir)
     try:
         import sw_ref.kernels.stats_multi  # noqa: F401
         import sw_ref.kernels.tile_multi  # noqa: F401
