@@ -36,6 +36,13 @@ class Encoding(enum.IntEnum):
         return self in (Encoding.E4M3, Encoding.E5M2)
 
 
+class FastPass(enum.IntEnum):
+    """The tile kernel's pass over unscaled full tiles (the constexpr FAST)."""
+    OFF = 0             # the careful pass only
+    TL_HISTOGRAM = 1    # the fast pass, its histogram by tl.histogram (the interpreter)
+    LANE_HISTOGRAM = 2  # the fast pass, its histogram in shared memory by inline PTX (GPU)
+
+
 # The interpreter's own fp8 decoding is wrong, and so is its bf16 -> float32 cast of bf16
 # subnormals (triton 3.9's _convert_float renormalises them): read as raw bits, both the
 # interpreter and the GPU run the same exact code.
@@ -49,13 +56,15 @@ BITS_VIEW = {Encoding.E4M3: torch.uint8, Encoding.E5M2: torch.uint8, Encoding.BF
 def constexpr_namespace(members: type[enum.IntEnum]) -> types.ModuleType:
     """Each member of an IntEnum as a tl.constexpr attribute of the same name, in a module
     object (a global @triton.jit code may read, here and under the interpreter)."""
-    ns = types.ModuleType(members.__name__, f"{members.__name__}'s members as tl.constexpr")
+    ns = types.ModuleType(f"{__name__}.{members.__name__}",
+                          f"{members.__name__}'s members as tl.constexpr")
     for m in members:
         setattr(ns, m.name, tl.constexpr(int(m)))
     return ns
 
 
 Enc = constexpr_namespace(Encoding)
+Fast = constexpr_namespace(FastPass)
 Row = constexpr_namespace(Stat)
 N_ROW = tl.constexpr(N_STATS)
 HBINS = tl.constexpr(HIST_BINS)
@@ -116,12 +125,3 @@ PART_COUNTS = tl.constexpr(1)  # the format / threshold counts (fp8 byte pass: t
 PART_HIST = tl.constexpr(2)    # the exponent histogram
 ALL_PARTS = tl.constexpr(3)
 
-
-class FastPass(enum.IntEnum):
-    """The tile kernel's pass over unscaled full tiles (the constexpr FAST)."""
-    OFF = 0             # the careful pass only
-    TL_HISTOGRAM = 1    # the fast pass, its histogram by tl.histogram (the interpreter)
-    LANE_HISTOGRAM = 2  # the fast pass, its histogram in shared memory by inline PTX (GPU)
-
-
-Fast = constexpr_namespace(FastPass)

@@ -2,7 +2,7 @@
 prefetch and which pass the full tiles take, as the launchers decide them by default, and
 `Tuning`, the typed set of choices that tests and benchmarks override.
 
-No Triton import: these are decisions about launches, made on the host.
+Host code only (no jit functions): decisions about launches, made once per kind of tensor.
 """
 from __future__ import annotations
 
