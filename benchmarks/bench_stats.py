@@ -48,11 +48,14 @@ def timer(device: str):
     return cpu
 
 
-def kernel_fn(x: torch.Tensor, tune=None):
+def kernel_fn(x: torch.Tensor, tuning=None, timing=None):
     from stabilitywatch.kernels.stats_triton import launch_row_stats
     row = init_row_tensor(x.device)
     flat = flat_view(x)
-    return lambda: launch_row_stats(flat, row, 1.0, tune)
+    if timing is not None:
+        from stabilitywatch.kernels._timing import launch_timed
+        return lambda: launch_timed(flat, row, timing, tuning)
+    return lambda: launch_row_stats(flat, row, 1.0, tuning)
 
 
 def gpu_time(fn, reps: int = 20) -> float:
@@ -111,60 +114,74 @@ def run_sizes(a, device, t, bw) -> list[str]:
     return rows
 
 
-VARIANTS = {
-    "fast pass (v6 default: bf16 words, table loads grouped, 2 loads/thread, 96-register cap, "
-    "4 programs/SM, L2 prefetch 2 tiles ahead, 4 for bf16 and fp8 byte counts)": {},
-    "fast, L2 prefetch 2 tiles ahead (v5)": {"pref": 2},
-    "fast, 8 programs per SM": {"progs_per_sm": 8},
-    "fast, 8 programs per SM, no L2 prefetch (v4)": {"pref": 0, "progs_per_sm": 8},
-    "careful pass only, warp ballots (v3)": {"fast": 0},
-    "fast, bf16 one value per lane (no words)": {"words": False},
-    "fast, no register cap": {"maxnreg": None},
-    "fast, 1 load per thread": {"u": 1},
-    "fast, 4 loads per thread": {"u": 4},
-    "fast, one tile per program where possible": {"tiles_per_prog": 1},
-    "fast, 8 warps": {"num_warps": 8},
-    "fast, 8 warps, L2 prefetch 4 tiles ahead": {"num_warps": 8, "pref": 4},
-    "fast, float32 sums within a tile": {"sum32": True},
-    "timing only (row wrong): fast without the histogram": {"fparts": 1},
-    "timing only (row wrong): fast without the threshold counts": {"fparts": 2},
-    "timing only (row wrong): fast without both": {"fparts": 0},
-    "timing only (row wrong): fast without both, float32 sums": {"fparts": 0, "sum32": True},
-    "fast, L2 prefetch 4 tiles ahead": {"pref": 4},
-    "fast, 5 programs per SM": {"progs_per_sm": 5},
-    "fast, 6 programs per SM": {"progs_per_sm": 6},
-    "fast, 4 tiles per program": {"tiles_per_prog": 4},
-    "fast, 16 tiles per program": {"tiles_per_prog": 16},
-    "fast, 32 tiles per program": {"tiles_per_prog": 32},
-    "fast, 16 tiles per program, 4 programs per SM": {"tiles_per_prog": 16, "progs_per_sm": 4},
-    "timing only (row wrong): no atomics into the row": {"fparts": 7},
-    "fast, 2 programs per SM": {"progs_per_sm": 2},
-    "fast, 3 programs per SM": {"progs_per_sm": 3},
-    "fp8 through the value pass": {"bytes": False, "dtypes": ("e4m3",)},
-    "fp8 through the byte-count pass": {"bytes": True, "dtypes": ("e4m3",)},
-    "fp8 bytes, timing only (row wrong): no row histogram": {"bytes": True, "fparts": 1,
-                                                                  "dtypes": ("e4m3",)},
-    "fp8 bytes, timing only (row wrong): no scalar fields": {"bytes": True, "fparts": 2,
-                                                              "dtypes": ("e4m3",)},
-    "fp8 bytes, timing only (row wrong): no epilogue": {"bytes": True, "fparts": 0,
-                                                         "dtypes": ("e4m3",)},
-    "fp8 bytes, 1 program per SM": {"bytes": True, "progs_per_sm": 1, "dtypes": ("e4m3",)},
-    "fp8 bytes, 2 programs per SM": {"bytes": True, "progs_per_sm": 2, "dtypes": ("e4m3",)},
-    "fp8 bytes, 1 program per SM, 8 warps": {"bytes": True, "progs_per_sm": 1, "num_warps": 8,
-                                             "dtypes": ("e4m3",)},
-    "fp8 bytes, 2 programs per SM, 8 warps": {"bytes": True, "progs_per_sm": 2, "num_warps": 8,
-                                              "dtypes": ("e4m3",)},
-    "fp8 bytes, 1 program per SM, 8 warps, prefetch 8": {
-        "bytes": True, "progs_per_sm": 1, "num_warps": 8, "pref": 8, "dtypes": ("e4m3",)},
-    "fp8 bytes, 2 programs per SM, 2 loads per thread": {
-        "bytes": True, "progs_per_sm": 2, "u": 2, "dtypes": ("e4m3",)},
-}
+def _variant(dtypes=None, timing=None, **tuning):
+    """A tuning (kernels/tuning.py), timing-only switches (kernels/_timing.py) and the dtypes
+    (names) it is for."""
+    from stabilitywatch.kernels.tuning import Tuning
+    if timing is not None:
+        from stabilitywatch.kernels._timing import Timing
+        timing = Timing(**timing)
+    return Tuning(**tuning), timing, dtypes
 
 
-def _row(x, tune):
-    from stabilitywatch.kernels.stats_triton import launch_row_stats
+def variants() -> dict:
+    from stabilitywatch.kernels.constants import PART_COUNTS, PART_HIST, FastPass
+    v = _variant
+    return {
+        "fast pass (default: bf16 words, table loads grouped, 2 loads/thread, 96-register cap, "
+        "4 programs/SM, L2 prefetch 2 tiles ahead, 4 for bf16 and fp8 byte counts)": v(),
+        "fast, L2 prefetch 2 tiles ahead": v(prefetch=2),
+        "fast, 8 programs per SM": v(progs_per_sm=8),
+        "fast, 8 programs per SM, no L2 prefetch": v(prefetch=0, progs_per_sm=8),
+        "careful pass only, warp ballots": v(fast=FastPass.OFF),
+        "fast, bf16 one value per lane (no words)": v(words=False),
+        "fast, no register cap": v(register_cap=0),
+        "fast, 1 load per thread": v(loads_per_thread=1),
+        "fast, 4 loads per thread": v(loads_per_thread=4),
+        "fast, one tile per program where possible": v(tiles_per_prog=1),
+        "fast, 8 warps": v(num_warps=8),
+        "fast, 8 warps, L2 prefetch 4 tiles ahead": v(num_warps=8, prefetch=4),
+        "timing only (row wrong): fast, float32 sums within a tile": v(timing=dict(sum32=True)),
+        "timing only (row wrong): fast without the histogram": v(
+            timing=dict(fast_parts=int(PART_COUNTS))),
+        "timing only (row wrong): fast without the threshold counts": v(
+            timing=dict(fast_parts=int(PART_HIST))),
+        "timing only (row wrong): fast without both": v(timing=dict(fast_parts=0)),
+        "timing only (row wrong): fast without both, float32 sums": v(
+            timing=dict(fast_parts=0, sum32=True)),
+        "fast, L2 prefetch 4 tiles ahead": v(prefetch=4),
+        "fast, 5 programs per SM": v(progs_per_sm=5),
+        "fast, 6 programs per SM": v(progs_per_sm=6),
+        "fast, 4 tiles per program": v(tiles_per_prog=4),
+        "fast, 16 tiles per program": v(tiles_per_prog=16),
+        "fast, 32 tiles per program": v(tiles_per_prog=32),
+        "timing only (row wrong): no atomics into the row": v(timing=dict(row_writes=False)),
+        "fast, 2 programs per SM": v(progs_per_sm=2),
+        "fast, 3 programs per SM": v(progs_per_sm=3),
+        "fp8 through the value pass": v(fp8_bytes=False, dtypes=("e4m3",)),
+        "fp8 through the byte-count pass": v(fp8_bytes=True, dtypes=("e4m3",)),
+        "fp8 bytes, timing only (row wrong): no row histogram": v(
+            fp8_bytes=True, timing=dict(fast_parts=int(PART_COUNTS)), dtypes=("e4m3",)),
+        "fp8 bytes, timing only (row wrong): no scalar fields": v(
+            fp8_bytes=True, timing=dict(fast_parts=int(PART_HIST)), dtypes=("e4m3",)),
+        "fp8 bytes, timing only (row wrong): no epilogue": v(
+            fp8_bytes=True, timing=dict(fast_parts=0), dtypes=("e4m3",)),
+        "fp8 bytes, 1 program per SM": v(fp8_bytes=True, progs_per_sm=1, dtypes=("e4m3",)),
+        "fp8 bytes, 2 programs per SM": v(fp8_bytes=True, progs_per_sm=2, dtypes=("e4m3",)),
+        "fp8 bytes, 1 program per SM, 8 warps": v(fp8_bytes=True, progs_per_sm=1, num_warps=8,
+                                                  dtypes=("e4m3",)),
+        "fp8 bytes, 2 programs per SM, 8 warps": v(fp8_bytes=True, progs_per_sm=2, num_warps=8,
+                                                   dtypes=("e4m3",)),
+        "fp8 bytes, 1 program per SM, 8 warps, prefetch 8": v(
+            fp8_bytes=True, progs_per_sm=1, num_warps=8, prefetch=8, dtypes=("e4m3",)),
+        "fp8 bytes, 2 programs per SM, 2 loads per thread": v(
+            fp8_bytes=True, progs_per_sm=2, loads_per_thread=2, dtypes=("e4m3",)),
+    }
+
+
+def _row(x, tuning=None, timing=None):
     row = init_row_tensor(x.device)
-    launch_row_stats(flat_view(x), row, 1.0, tune)
+    kernel_fn(x, tuning, timing)()
     return row
 
 
@@ -191,19 +208,18 @@ def run_variants(device, t, bw, match=(), dtypes=(), mib=256) -> list[str]:
             continue
         x = make((mib << 20) // dt.itemsize, dt, device)
         floor = mib * 2**20 / bw
-        want = _row(x, None)
-        for vname, tune in VARIANTS.items():
-            if match and tune and not any(m in vname for m in match):
+        want = _row(x)
+        for i, (vname, (tuning, timing, for_dtypes)) in enumerate(variants().items()):
+            if match and i and not any(m in vname for m in match):
                 continue
-            if name not in tune.get("dtypes", (name,)):
+            if for_dtypes and name not in for_dtypes:
                 continue
-            tune = {k: v for k, v in tune.items() if k != "dtypes"}
             try:
-                us = t(kernel_fn(x, tune))
+                us = t(kernel_fn(x, tuning, timing))
             except RuntimeError as e:  # a variant that cannot launch (resources)
                 rows.append(f"| {vname} | {name} | failed: {str(e)[:60]} | | | |")
                 continue
-            same = "-" if "row wrong" in vname else str(_same(_row(x, tune), want))
+            same = "-" if timing is not None else str(_same(_row(x, tuning, timing), want))
             rows.append(f"| {vname} | {name} | {us:.1f} | {floor:.1f} | {us / floor:.2f} | "
                         f"{same} |")
     return rows

@@ -75,9 +75,9 @@ def instrument(marks: Marks):
     row = stats_triton.launch_row_stats
     saved = [(stats_triton, "launch_row_stats", row)]
 
-    def launch_row_stats(flat, out_row, scale=1.0, tune=None):
+    def launch_row_stats(flat, out_row, scale=1.0, tuning=None):
         return marks.timed("one tensor", flat.dtype, flat.numel() * flat.element_size(), 1,
-                           lambda: row(flat, out_row, scale, tune))
+                           lambda: row(flat, out_row, scale, tuning))
     stats_triton.launch_row_stats = launch_row_stats
     for cls, kind in ((stats_multi.ManyLaunch, "many small"),
                       (tile_multi.TileManyLaunch, "many, full tiles")):

@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         (key, kernel), = stats_tile._launch.cache.items()
         # the call FastLaunch ends with, on the arguments launch_row_stats passed
         args = (x.view(torch.int16), row, row, 1.0, n)
-        consts = tuple(v for _, v in key[2 + len(args):2 + len(args) + 14])
+        names = stats_tile._tile_stats_kernel.arg_names
+        consts = tuple(v for k, v in key[2 + len(args):] if k in names)
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         enter, leave = _hooks()
         layers.append(("compiled launcher (kernel.run)", lambda: kernel.run(

@@ -23,20 +23,23 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from stabilitywatch.kernels import stats_tile, stats_triton  # noqa: E402
+from stabilitywatch.kernels import stats_tile, tuning  # noqa: E402
+from stabilitywatch.kernels.constants import Encoding, FastPass  # noqa: E402
 
-PTR = {0: "*fp32", 1: "*u8", 2: "*u8", 3: "*i16"}
+PTR = {Encoding.FLOAT: "*fp32", Encoding.E4M3: "*u8", Encoding.E5M2: "*u8",
+       Encoding.BF16: "*i16"}
 
 
-def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, maxnreg=None,
-                 **consts) -> tuple[int, int, int]:
+def compile_tile(enc: Encoding, shape: tuple, warps: int, sass: "str | None" = None,
+                 maxnreg=None, **consts) -> tuple[int, int, int]:
     k = stats_tile._tile_stats_kernel
     u, t, v = shape
-    c = dict(FP8=fp8, SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, SUM32=False, PARTS=3,
-             BALLOT=0, FAST=2, WORDS=False, BYTES=False, FPARTS=3, PREF=0, WIDE=False)
+    c = dict(ENC=int(enc), SCALED=False, HAS_SCALE_PTR=False, U=u, T=t, V=v, BALLOT=False,
+             FAST=int(FastPass.LANE_HISTOGRAM), WORDS=False, BYTES=False, PREF=0, WIDE=False)
     c.update(consts)
     # Triton passes an n_full below 2^31 as int32: i64 only for the WIDE kernels
-    sig = {"x_ptr": PTR[fp8], "out_ptr": "*fp64", "scale_ptr": "*fp64", "scale_val": "fp32",
+    sig = {"x_ptr": PTR[Encoding(enc)], "out_ptr": "*fp64", "scale_ptr": "*fp64",
+           "scale_val": "fp32",
            "n_full": "i64" if c["WIDE"] else "i32", **{n: "constexpr" for n in c}}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): val for n, val in c.items()},
@@ -68,26 +71,25 @@ def compile_tile(fp8: int, shape: tuple, warps: int, sass: "str | None" = None, 
 
 
 def main() -> int:
-    # the kernels a large tensor gets on an sm_90 GPU: stats_triton._RowPlan's constexprs and
+    # the kernels a large tensor gets on an sm_90 GPU: tuning.tile_plan's constexprs and
     # register cap (a 4-byte aligned tensor, a scale of 1 or a float scale, default tuning)
     print("| input | pass | tile (U, T, V) | warps | register cap | registers | spill bytes | "
           "shared |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    for name, fp8, item in (("bf16", 3, 2), ("fp32", 0, 4), ("e4m3", 1, 1)):
-        shape = stats_tile.tile_shape(item, False, 4)
-        bytes_ = fp8 in (1, 2)
-        for label, scaled, fast in (("fast", False, 2), ("careful only", False, 0),
-                                    ("scaled", True, 2)):
-            consts, opts = stats_tile.tile_consts(
-                True, False, scaled, fp8, shape, False, 3, True, fast, True, bytes_,
-                stats_triton.register_cap(fp8 == 3), 3,
-                stats_triton.PREFETCH_AHEAD[bytes_ or fp8 == 3])
+    for name, enc, item in (("bf16", Encoding.BF16, 2), ("fp32", Encoding.FLOAT, 4),
+                            ("e4m3", Encoding.E4M3, 1)):
+        shape = tuning.tile_shape(item, False, 4)
+        for label, scaled, fast in (("fast", False, None), ("careful only", False, FastPass.OFF),
+                                    ("scaled", True, None)):
+            plan = tuning.tile_plan(tuning.Tuning(fast=fast), enc, shape, 1 << 26, 528, False,
+                                    scaled, True, True, True)
+            consts = plan.constexprs
             if consts["BYTES"]:
                 label = "fp8 bytes" + (", scaled" if scaled else "")
             elif scaled:
                 label = "scaled (careful)"
-            cap = opts.get("maxnreg")
-            r, s, sh = compile_tile(fp8, shape, 4, maxnreg=cap, **consts)
+            cap = plan.options.get("maxnreg")
+            r, s, sh = compile_tile(enc, shape, 4, maxnreg=cap, **consts)
             print(f"| {name} | {label} | {shape} | 4 | {cap or '-'} | {r} | {s} | {sh} |")
     return 0
 

@@ -1,9 +1,9 @@
 """The tile kernel's fast pass (kernels/tile_fast.py): taken on ordinary data, and left for the
 careful pass, program by program, on each kind of data its derivations cannot handle exactly.
 
-Which pass ran is seen through PARTS=0 (a benchmark switch): the careful pass then skips the
-format counts and the histogram, the fast pass ignores it. Under the interpreter a tile is 8192
-elements and a tensor of 8192 elements is one program."""
+Which pass ran is seen through the timing kernel's careful_parts=0 (kernels/_timing.py): the
+careful pass then skips the format counts and the histogram, the fast pass ignores it. Under the
+interpreter a tile is 8192 elements and a tensor of 8192 elements is one program."""
 import os
 import sys
 
@@ -14,7 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rowcheck import assert_rows_match  # noqa: E402
 
 from stabilitywatch.formats import FORMATS, Fmt  # noqa: E402
+from stabilitywatch.kernels._timing import Timing, launch_timed  # noqa: E402
+from stabilitywatch.kernels.constants import FastPass  # noqa: E402
 from stabilitywatch.kernels.stats_triton import launch_row_stats  # noqa: E402
+from stabilitywatch.kernels.tuning import Tuning  # noqa: E402
 from stabilitywatch.stats.layout import HIST_BINS, Stat, init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
@@ -24,9 +27,15 @@ TILE = 8192
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 
 
-def row_of(x: torch.Tensor, **tune) -> torch.Tensor:
+def row_of(x: torch.Tensor, careful_parts: "int | None" = None, **tuning) -> torch.Tensor:
+    # careful_parts=0: the careful pass leaves its counts and histogram out (the row then holds
+    # only what the fast pass counted, where it ran)
     row = init_row_tensor(x.device)
-    launch_row_stats(x.reshape(-1), row, tune={"fast": 1, **tune})
+    t = Tuning(fast=FastPass.TL_HISTOGRAM, **tuning)
+    if careful_parts is None:
+        launch_row_stats(x.reshape(-1), row, tuning=t)
+    else:
+        launch_timed(x.reshape(-1), row, Timing(careful_parts=careful_parts), t)
     return row
 
 
@@ -44,7 +53,7 @@ def ordinary(n: int, dtype, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_fast_pass_runs_on_ordinary_data(dname):
     x = ordinary(TILE * 3, DTYPES[dname])
-    row = row_of(x, parts=0)
+    row = row_of(x, careful_parts=0)
     assert hist(row).sum() > 0, "the careful pass ran (PARTS=0 left the histogram empty)"
     assert_rows_match(row, reference_row(x), label=dname)
 
@@ -67,7 +76,8 @@ def test_careful_pass_takes_over(trigger):
     x = ordinary(TILE, torch.float32, seed=1)
     vals = TRIGGERS[trigger]
     x[5: 5 + len(vals)] = torch.tensor(vals)
-    assert hist(row_of(x, parts=0)).sum() == 0, "the fast pass kept data it cannot count exactly"
+    assert hist(row_of(x, careful_parts=0)).sum() == 0, (
+        "the fast pass kept data it cannot count exactly")
     assert_rows_match(row_of(x), reference_row(x), label=trigger)
 
 
@@ -75,7 +85,7 @@ def test_only_the_program_that_needs_it_falls_back():
     # four programs of one tile each under the interpreter; the NaN sits in the third
     x = ordinary(TILE * 4, torch.float32, seed=2)
     x[TILE * 2 + 3] = float("nan")
-    got = hist(row_of(x, parts=0))
+    got = hist(row_of(x, careful_parts=0))
     clean = torch.cat([x[: TILE * 2], x[TILE * 3:]])
     assert torch.equal(got, hist(reference_row(clean)).to(got.dtype))
     assert_rows_match(row_of(x), reference_row(x))
@@ -97,7 +107,7 @@ def test_all_zero_and_near_threshold_values(dname):
     x[: len(edges)] = torch.tensor(edges)
     x = x.to(DTYPES[dname])
     assert_rows_match(row_of(x), reference_row(x), label=dname)
-    assert hist(row_of(x, parts=0)).sum() > 0, "fell back"
+    assert hist(row_of(x, careful_parts=0)).sum() > 0, "fell back"
 
 
 @pytest.mark.parametrize("dname", ["bf16", "fp16"])
@@ -114,7 +124,7 @@ def test_every_16_bit_value_near_the_thresholds(dname):
     x = torch.cat([v, -v])
     x = torch.cat([x, torch.zeros(-len(x) % TILE)]).to(dt)
     assert_rows_match(row_of(x), reference_row(x), label=dname)
-    assert hist(row_of(x, parts=0)).sum() > 0, "fell back"
+    assert hist(row_of(x, careful_parts=0)).sum() > 0, "fell back"
 
 
 @pytest.mark.parametrize("scale", [1.0, 448.0 / 3, 2.0 ** -12, 1e30, torch.tensor(0.37)],
@@ -129,7 +139,7 @@ def test_fp8_byte_counts_give_the_row(dname, scale):
     b[300:2300] = 0x3C  # one value very often
     x = b.to(torch.uint8).view(DTYPES[dname] if dname == "e4m3" else torch.float8_e5m2)
     row = init_row_tensor(x.device)
-    launch_row_stats(x, row, scale, tune={"fast": 1, "bytes": True})
+    launch_row_stats(x, row, scale, Tuning(fast=FastPass.TL_HISTOGRAM, fp8_bytes=True))
     assert_rows_match(row, reference_row(x, scale), label=f"{dname} scale {scale}")
 
 
@@ -137,6 +147,6 @@ def test_bf16_at_a_two_byte_offset():
     # bf16 is read two values per 32-bit word only from a 4-byte aligned start
     x = ordinary(TILE * 2 + 1, torch.bfloat16, seed=5)[1:]
     assert x.data_ptr() % 4 == 2
-    row = row_of(x, parts=0)
+    row = row_of(x, careful_parts=0)
     assert hist(row).sum() > 0
     assert_rows_match(row_of(x), reference_row(x))

@@ -136,10 +136,14 @@ def test_gpu_tile_branches_match_reference(dname, kind, fast):
     from test_kernel_tile import blocks
     from stabilitywatch.kernels.stats_triton import launch_row_stats
 
+    from stabilitywatch.kernels.constants import FastPass
+    from stabilitywatch.kernels.tuning import Tuning
+
     def triton_row(t, scale=1.0):
         row = init_row_tensor(t.device)
-        tune = {"fast": 2, "bytes": True} if fast == "bytes" else {"fast": fast}
-        launch_row_stats(t.reshape(-1), row, scale, tune=tune)
+        tuning = (Tuning(fast=FastPass.LANE_HISTOGRAM, fp8_bytes=True) if fast == "bytes"
+                  else Tuning(fast=FastPass(fast)))
+        launch_row_stats(t.reshape(-1), row, scale, tuning=tuning)
         return row
 
     if kind == "narrow":  # every tile within a few exponents: the 32-bin window
@@ -155,24 +159,31 @@ def test_gpu_tile_branches_match_reference(dname, kind, fast):
 
 @pytest.mark.parametrize("dname", ["fp32", "bf16", "e4m3"])
 def test_gpu_fast_pass_runs_and_falls_back(dname):
-    # PARTS=0 (a benchmark switch) empties the careful pass's histogram, not the fast pass's:
+    # careful_parts=0 (the timing kernel) empties the careful pass's histogram, not the fast
+    # pass's:
     # ordinary data stays on the fast pass; one tile (one program) with each kind of data the
     # fast pass cannot count exactly goes to the careful pass, and both give the reference row
     from test_kernel_fast import TRIGGERS, hist, ordinary
-    from stabilitywatch.kernels.stats_tile import tile_shape
+    from stabilitywatch.kernels._timing import Timing, launch_timed
+    from stabilitywatch.kernels.constants import FastPass
     from stabilitywatch.kernels.stats_triton import launch_row_stats
+    from stabilitywatch.kernels.tuning import Tuning, tile_shape
 
     dtype = DTYPES[dname]
 
-    def row_of(t, **tune):
+    def row_of(t, careful_parts=None, **tuning):
         row = init_row_tensor(t.device)
-        launch_row_stats(t.reshape(-1), row, tune={"fast": 2, **tune})
+        tu = Tuning(fast=FastPass.LANE_HISTOGRAM, **tuning)
+        if careful_parts is None:
+            launch_row_stats(t.reshape(-1), row, tuning=tu)
+        else:
+            launch_timed(t.reshape(-1), row, Timing(careful_parts=careful_parts), tu)
         return row
 
     u, t, v = tile_shape(torch.empty(0, dtype=dtype).element_size(), False)
     tile = u * t * v
     x = ordinary(tile * 1000 + 5, dtype).cuda()
-    assert hist(row_of(x, parts=0)).sum() > 0
+    assert hist(row_of(x, careful_parts=0)).sum() > 0
     assert_rows_match(row_of(x), reference_row(x), label=f"{dname} ordinary")
     odd = x[1:]  # bf16 at a 2-byte offset: not read as 32-bit words
     assert_rows_match(row_of(odd), reference_row(odd), label=f"{dname} offset by one")
@@ -182,11 +193,11 @@ def test_gpu_fast_pass_runs_and_falls_back(dname):
         y = y.to(dtype).cuda()
         if dname == "e4m3" and name != "nan":
             continue  # no Inf in e4m3, and the other triggers are outside its range
-        assert hist(row_of(y, parts=0)).sum() == 0, name
+        assert hist(row_of(y, careful_parts=0)).sum() == 0, name
         assert_rows_match(row_of(y), reference_row(y), label=f"{dname} {name}")
         if dname == "e4m3":  # the byte-count pass has no fallback: it takes every value
-            assert hist(row_of(y, parts=0, bytes=True)).sum() > 0
-            assert_rows_match(row_of(y, bytes=True), reference_row(y), label="e4m3 bytes nan")
+            assert hist(row_of(y, careful_parts=0, fp8_bytes=True)).sum() > 0
+            assert_rows_match(row_of(y, fp8_bytes=True), reference_row(y), label="e4m3 bytes nan")
 
 
 @pytest.mark.parametrize("dname", ["bf16", "fp16", "fp32"])
@@ -194,7 +205,9 @@ def test_gpu_threshold_table_on_every_value_near_the_thresholds(dname):
     # the fast pass's threshold counts come from its shared-memory table (ptx.py): every 16-bit
     # value of exponent field 100..141 (and, for fp32, each threshold and one ulp either side),
     # both signs, spread over many programs, against the reference's compares
+    from stabilitywatch.kernels.constants import FastPass
     from stabilitywatch.kernels.stats_triton import launch_row_stats
+    from stabilitywatch.kernels.tuning import Tuning
     src = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.bfloat16}[dname]
     vals = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(src).float()
     keep = (vals.abs() >= 2.0 ** -27) & (vals.abs() < 2.0 ** 15) & vals.isfinite()
@@ -212,7 +225,7 @@ def test_gpu_threshold_table_on_every_value_near_the_thresholds(dname):
     x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))]
     x = x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]).cuda()
     row = init_row_tensor(x.device)
-    launch_row_stats(x, row, tune={"fast": 2})
+    launch_row_stats(x, row, tuning=Tuning(fast=FastPass.LANE_HISTOGRAM))
     assert_rows_match(row, reference_row(x), label=dname)
 
 
@@ -272,9 +285,10 @@ def _same_row(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
 @pytest.mark.parametrize("scale", [1.0, 0.5, "tensor"])
 def test_kept_launch_plans_give_the_decided_rows(dname, scale):
     # launch_row_stats keeps its decisions per kind of tensor (stats_triton._RowPlan); an
-    # explicit tune (here empty) takes the path that decides on every call
+    # explicit tuning (here the default) takes the path that decides on every call
     from stabilitywatch.kernels import stats_triton
     from stabilitywatch.kernels.dispatch import flat_view
+    from stabilitywatch.kernels.tuning import Tuning
     sc = torch.tensor(0.25, device="cuda") if scale == "tensor" else scale
     for n in (1, 2048, 4096 + 7, 2**20 + 3, 2**21):
         x = flat_view(gpu_values(n, DTYPES[dname], seed=n))
@@ -284,7 +298,7 @@ def test_kept_launch_plans_give_the_decided_rows(dname, scale):
             for row in kept:  # the second call runs the kept plan
                 stats_triton.launch_row_stats(v, row, sc)
             decided = init_row_tensor("cuda")
-            stats_triton.launch_row_stats(v, decided, sc, tune={})
+            stats_triton.launch_row_stats(v, decided, sc, tuning=Tuning())
             for row in kept:
                 assert _same_row(row.cpu(), decided.cpu(), n), (dname, scale, n, offset)
 

@@ -235,12 +235,12 @@ def test_add_many_overwrite_keeps_the_last_write_of_a_row():
 
 def test_prefetch_only_where_the_ptx_has_it(monkeypatch):
     # cp.async.bulk.prefetch needs sm_90: on an A100 or an L4 the kernels get PREF=0
-    from stabilitywatch.kernels import stats_triton
+    from stabilitywatch.kernels import tuning
     for cap, want in (((8, 0), 0), ((8, 9), 0), ((9, 0), 2), ((10, 0), 2)):
-        stats_triton.prefetch_tiles.cache_clear()
+        tuning.prefetch_tiles.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=cap: c)
-        assert stats_triton.prefetch_tiles(0, 2) == want, cap
-    stats_triton.prefetch_tiles.cache_clear()
+        assert tuning.prefetch_tiles(0, 2) == want, cap
+    tuning.prefetch_tiles.cache_clear()
 
 
 def test_no_address_tables_for_cuda_tensors_under_the_interpreter(monkeypatch):

@@ -1,7 +1,7 @@
 """The tile kernel (full tiles of large tensors) against the reference, on tile structures
 that take each of its branches: NaN/Inf only in some tiles, all-zero tiles, tiles spanning
 more than 32 or 64 exponents, thresholds straddled or not, scales as floats and tensors. Under
-the interpreter a tile is 8192 elements (stats_tile.tile_shape); the warp-ballot histogram is
+the interpreter a tile is 8192 elements (tuning.tile_shape); the warp-ballot histogram is
 GPU-only (test_kernel_gpu.py)."""
 import os
 import sys
@@ -14,13 +14,15 @@ from rowcheck import assert_rows_match  # noqa: E402
 from test_kernel import DTYPES, content  # noqa: E402
 
 from stabilitywatch.kernels import dispatch  # noqa: E402
+from stabilitywatch.kernels.constants import FastPass  # noqa: E402
 from stabilitywatch.kernels.stats_triton import launch_row_stats, triton_row  # noqa: E402
+from stabilitywatch.kernels.tuning import Tuning  # noqa: E402
 from stabilitywatch.stats.layout import init_row_tensor  # noqa: E402
 from stabilitywatch.stats.reference import reference_row  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
-BLOCK = 8192  # the interpreter's tile and block size (stats_tile.tile_shape, _launch_shape)
+BLOCK = 8192  # the interpreter's tile and block size (tuning.tile_shape, general_shape)
 
 
 def blocks(kind: str, dtype) -> torch.Tensor:
@@ -57,7 +59,7 @@ def test_tile_kernel_matches_reference(dname, kind, fast):
     # fast 1: the fast pass, falling back per program (tile_fast.py); 0: the careful pass only
     x = dispatch.flat_view(blocks(kind, DTYPES[dname]))
     row = init_row_tensor(x.device)
-    launch_row_stats(x, row, tune={"fast": fast})
+    launch_row_stats(x, row, tuning=Tuning(fast=FastPass(fast)))
     assert_rows_match(row, reference_row(x), label=f"{dname} {kind} fast={fast}")
 
 
@@ -67,7 +69,7 @@ def test_fp8_byte_count_pass_matches_reference(dname, kind):
     # tile_fp8.py (large fp8 tensors take it by default, scaled fp8 at any size)
     x = dispatch.flat_view(blocks(kind, DTYPES[dname]))
     row = init_row_tensor(x.device)
-    launch_row_stats(x, row, tune={"fast": 1, "bytes": True})
+    launch_row_stats(x, row, tuning=Tuning(fast=FastPass.TL_HISTOGRAM, fp8_bytes=True))
     assert_rows_match(row, reference_row(x), label=f"{dname} {kind} bytes")
 
 
@@ -87,7 +89,7 @@ def test_exact_multiple_of_block_has_no_tail():
 def test_tile_offsets_in_int64_near_2_pow_31():
     # Triton passes an n_full below 2^31 as int32; offsets a few grid steps past a tile would
     # wrap there, so such tensors take the kernel's int64 offsets (WIDE)
-    from stabilitywatch.kernels.stats_triton import wide_offsets
+    from stabilitywatch.kernels.tuning import wide_offsets
     step = 528 * 2048  # the H200's grid step for bf16: 4 programs per SM, 2048-element tiles
     assert not wide_offsets(2**28, step) and not wide_offsets(2**31 - 13 * step, step)
     assert wide_offsets(2**31 - 12 * step, step) and wide_offsets(2**31 - 2048, step)
@@ -95,5 +97,5 @@ def test_tile_offsets_in_int64_near_2_pow_31():
     for dname in ("fp32", "bf16", "e4m3"):
         x = dispatch.flat_view(blocks("mixed", DTYPES[dname]))
         row = init_row_tensor(x.device)
-        launch_row_stats(x, row, tune={"fast": 1, "wide": True})
+        launch_row_stats(x, row, tuning=Tuning(fast=FastPass.TL_HISTOGRAM, wide=True))
         assert_rows_match(row, reference_row(x), label=f"{dname} wide")

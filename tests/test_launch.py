@@ -135,7 +135,7 @@ def test_empty_hook_chains_are_passed_as_none(monkeypatch):
 def test_tile_programs_keep_packed_counts_under_16_bits(tile, tiles):
     # lane L of every warp adds to one packed 16-bit count per bin: a program may give it at most
     # 65535 values, whatever the tensor's size (values all in one bin: an all-zero tensor)
-    from stabilitywatch.kernels.stats_triton import tile_programs
+    from stabilitywatch.kernels.tuning import tile_programs
     progs = min(tiles, tile_programs(tiles, tile, sms=132))
     assert -(-tiles // progs) * (tile // 32) <= 65535
     if tiles >= 132 * 8:

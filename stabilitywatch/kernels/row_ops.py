@@ -1,25 +1,12 @@
-"""The row's fields as the kernels write them, and the small pieces every kernel pass shares:
-decoding fp8 bytes, the scale rule (stats/scale.py), the shift (stats/layout.py: load, claim
-with one compare-and-swap, re-express a program's sums at the row's shift) and the scalar
-fields' atomics."""
+"""The small pieces every kernel pass shares: decoding fp8 bytes, the scale rule
+(stats/scale.py), the shift (stats/layout.py: load, claim with one compare-and-swap, re-express a
+program's sums at the row's shift) and the scalar fields' atomics."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ..stats.layout import Stat
-from ..stats.scale import FLT_MIN
-
-O_HIST = tl.constexpr(int(Stat.HIST))
-S_MIN, S_MAX, S_AMAX, S_AMIN = (tl.constexpr(int(Stat.MIN)), tl.constexpr(int(Stat.MAX)),
-                                tl.constexpr(int(Stat.ABSMAX)), tl.constexpr(int(Stat.ABSMIN_NZ)))
-S_SUM, S_SUMSQ = tl.constexpr(int(Stat.SUM)), tl.constexpr(int(Stat.SUMSQ))
-S_BLO, S_BHI = tl.constexpr(int(Stat.BITS_LO)), tl.constexpr(int(Stat.BITS_HI))
-S_SHIFT, S_SSUM, S_SSQ = (tl.constexpr(int(Stat.SHIFT)), tl.constexpr(int(Stat.SHIFT_SUM)),
-                          tl.constexpr(int(Stat.SHIFT_SUMSQ)))
-# the unset shift's bits (-0.0) as int64, for the compare-and-swap that claims the row's shift
-UNSET_BITS = tl.constexpr(-(2**63))
-_FLT_MIN = tl.constexpr(FLT_MIN)
+from .constants import FLT_MIN_VALUE, UNSET_SHIFT_BITS, Enc, Row
 
 
 @triton.jit
@@ -28,7 +15,7 @@ def _sane_scale(s):
     # below float32's smallest normal as 0
     s = tl.abs(s)
     s = tl.where(s != s, float("inf"), s)
-    return tl.where(s < _FLT_MIN, 0.0, s)
+    return tl.where(s < FLT_MIN_VALUE, 0.0, s)
 
 
 @triton.jit
@@ -59,14 +46,14 @@ def _put(v, idx, i: tl.constexpr, x):
 
 
 @triton.jit
-def _load_shift(k_ptr, FP8: tl.constexpr):
+def _load_shift(k_ptr, ENC: tl.constexpr):
     # this tensor's shift, as every program of every launch over it loads it: its first
     # element (k_ptr), 0 when that is not finite, never -0.0 (the unset mark); float64
-    if FP8 == 1:
+    if ENC == Enc.E4M3:
         kx = _decode_fp8(tl.load(k_ptr).to(tl.int32), False)
-    elif FP8 == 2:
+    elif ENC == Enc.E5M2:
         kx = _decode_fp8(tl.load(k_ptr).to(tl.int32), True)
-    elif FP8 == 3:
+    elif ENC == Enc.BF16:
         kx = (tl.load(k_ptr).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         kx = tl.load(k_ptr).to(tl.float32)
@@ -83,12 +70,12 @@ def _claim_shift(out_ptr, kp):
     # wait (a scalar CAS whose result is used waits for the round trip, then a barrier). The
     # row's value is a plain load (L2: stale L1 lines cannot hold a value from before this
     # launch), issued now and used by the epilogue only (_at_row_shift).
-    bits = out_ptr.to(tl.pointer_type(tl.int64)) + S_SHIFT
+    bits = out_ptr.to(tl.pointer_type(tl.int64)) + Row.SHIFT
     rb = tl.load(bits, cache_modifier=".cg")
     one = tl.arange(0, 1)
-    tl.atomic_cas(bits + one, tl.full([1], UNSET_BITS, tl.int64),
+    tl.atomic_cas(bits + one, tl.full([1], UNSET_SHIFT_BITS, tl.int64),
                   tl.zeros([1], tl.int64) + kp.to(tl.int64, bitcast=True), sem="relaxed")
-    return tl.where(rb == UNSET_BITS, kp, rb.to(tl.float64, bitcast=True))
+    return tl.where(rb == UNSET_SHIFT_BITS, kp, rb.to(tl.float64, bitcast=True))
 
 
 @triton.jit
@@ -98,23 +85,20 @@ def _at_row_shift(v, idx, s1, s2k, nf, kp, krow):
     nf = nf.to(tl.float64)
     d = kp - krow
     sk = s1 - nf * kp
-    v = _put(v, idx, S_SSUM, s1 - nf * krow)
-    return _put(v, idx, S_SSQ, s2k + 2.0 * d * sk + nf * d * d)
+    v = _put(v, idx, Row.SHIFT_SUM, s1 - nf * krow)
+    return _put(v, idx, Row.SHIFT_SUMSQ, s2k + 2.0 * d * sk + nf * d * d)
 
 
 @triton.jit
 def _emit_scalars(out_ptr, idx, v):
-    # The row's scalar fields (v[i] for field i < O_HIST) in three vector atomics, relaxed and
+    # The row's scalar fields (v[i] for field i < Row.HIST) in three vector atomics, relaxed and
     # with no use of the returned value. One scalar atomic per field instead compiles to
     # barrier, thread-0 acq_rel atomic, barrier: about 25 round trips at the end of every
     # program, most of a small tensor's GPU time (the PTX shows it).
-    is_min = (idx == S_MIN) | (idx == S_AMIN)
-    is_max = (idx == S_MAX) | (idx == S_AMAX)
-    is_sum = (idx < O_HIST) & (is_min == 0) & (is_max == 0) & (idx != S_SHIFT)
+    is_min = (idx == Row.MIN) | (idx == Row.ABSMIN_NZ)
+    is_max = (idx == Row.MAX) | (idx == Row.ABSMAX)
+    is_sum = (idx < Row.HIST) & (is_min == 0) & (is_max == 0) & (idx != Row.SHIFT)
     tl.atomic_add(out_ptr + idx, v, mask=is_sum & (v != 0), sem="relaxed")
     tl.atomic_min(out_ptr + idx, v, mask=is_min & (v != float("inf")), sem="relaxed")
     tl.atomic_max(out_ptr + idx, v, mask=is_max & (v != float("-inf")), sem="relaxed")
 
-
-# n is never specialised: an int argument equal to 1 would become a compile-time Python int on
-# the GPU, and `n.to(...)` below would not compile for one-element tensors.

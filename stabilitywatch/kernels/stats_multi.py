@@ -13,40 +13,38 @@ import torch
 import triton
 import triton.language as tl
 
-from ..stats.layout import N_STATS
+from .constants import ENCODING, N_ROW, Enc
 from .launch import FastLaunch
-from .stats_triton import _FP8_CODE, _general_row, _interpreting
+from .stats_triton import _general_row
+from .tuning import interpreting
 
-ROW = tl.constexpr(N_STATS)
-# how the program reads its tensor: 0 float32, 1 float16, 2 fp8 bytes, 3 bf16 bits
-_ELT = {torch.float32: 0, torch.float16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2,
-        torch.bfloat16: 3}
 _BLOCK = 1024
 _PER_PROGRAM = 8 * _BLOCK  # elements per program, about
 
 
 @triton.jit
-def _multi_row_kernel(table_ptr, rows_ptr, FP8: tl.constexpr, ELT: tl.constexpr,
+def _multi_row_kernel(table_ptr, rows_ptr, ENC: tl.constexpr, HALF: tl.constexpr,
                       BLOCK: tl.constexpr):
+    # the tensors of one dtype (constants.Encoding ENC; HALF: float16 rather than float32)
     i = tl.program_id(0)
     addr = tl.load(table_ptr + 4 * i)
     n = tl.load(table_ptr + 4 * i + 1)
     slot = tl.load(table_ptr + 4 * i + 2)
     kaddr = tl.load(table_ptr + 4 * i + 3)
-    if ELT == 0:
+    if ENC == Enc.FLOAT and not HALF:
         x_ptr = addr.to(tl.pointer_type(tl.float32))
         k_ptr = kaddr.to(tl.pointer_type(tl.float32))
-    elif ELT == 1:
+    elif ENC == Enc.FLOAT:
         x_ptr = addr.to(tl.pointer_type(tl.float16))
         k_ptr = kaddr.to(tl.pointer_type(tl.float16))
-    elif ELT == 2:
+    elif ENC == Enc.E4M3 or ENC == Enc.E5M2:
         x_ptr = addr.to(tl.pointer_type(tl.uint8))
         k_ptr = kaddr.to(tl.pointer_type(tl.uint8))
     else:
         x_ptr = addr.to(tl.pointer_type(tl.int16))
         k_ptr = kaddr.to(tl.pointer_type(tl.int16))
-    _general_row(x_ptr, k_ptr, rows_ptr + slot * ROW, 1.0, n, tl.program_id(1),
-                 tl.num_programs(1), FP8, BLOCK)
+    _general_row(x_ptr, k_ptr, rows_ptr + slot * N_ROW, 1.0, n, tl.program_id(1),
+                 tl.num_programs(1), ENC, BLOCK)
 
 
 def _device_table(vals: list, device: torch.device, pin: bool) -> torch.Tensor:
@@ -63,7 +61,7 @@ class ManyLaunch:
                  k_offsets: "list | None" = None):
         # k_offsets[i]: bytes from the first element of flats[i]'s tensor to flats[i] (a tail)
         dtype = flats[0].dtype
-        self.cuda = device.type == "cuda" and not _interpreting()
+        self.cuda = device.type == "cuda" and not interpreting()
         self.device = device
         self.koffs = list(k_offsets) if k_offsets is not None else [0] * len(flats)
         self.vals = []
@@ -71,7 +69,7 @@ class ManyLaunch:
             self.vals += (f.data_ptr(), f.numel(), s, f.data_ptr() - o)
         self.table = _device_table(self.vals, device, self.cuda)
         self.grid = (len(flats), max(1, min(32, -(-max(f.numel() for f in flats) // _PER_PROGRAM))))
-        self.consts = dict(FP8=_FP8_CODE.get(dtype, 0), ELT=_ELT[dtype], BLOCK=_BLOCK)
+        self.consts = dict(ENC=int(ENCODING[dtype]), HALF=dtype == torch.float16, BLOCK=_BLOCK)
 
     def rebind(self, addrs: list) -> bool:
         """The same launch on tensors like the first ones (same sizes, in the same order) at

@@ -4,9 +4,9 @@ passes over its tiles: the fast pass (tile_fast.py, unscaled tensors), the fp8 b
 (tile_fp8.py), or the careful pass below (scaled tensors, and programs whose data the fast pass
 cannot count exactly).
 
-Why this shape: an earlier kernel kept ~20 accumulators as [BLOCK] vectors (8 registers each per
-thread), compiled to 255 registers per thread and left too few warps to keep HBM busy. Here each
-thread reads a [U, V] piece of a [U, T, V] tile (U loads of 16 bytes), reduces it in its own
+Why this shape: ~20 accumulators as [BLOCK] vectors (8 registers each per thread) compile to 255
+registers per thread and leave too few warps to keep HBM busy (docs/kernels.md). Here each thread
+reads a [U, V] piece of a [U, T, V] tile (U loads of 16 bytes), reduces it in its own
 registers and keeps one register per accumulator; the next tile is loaded while this one is
 reduced (80-128 registers, no spills: benchmarks/kernel_resources.py).
 
@@ -26,16 +26,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .constants import (ABS_MASK, ALL_PARTS, CANONICAL_NAN, E4M3_MAX_BITS, E4M3_NORMAL_BITS,
+                        E4M3_UNDERFLOW_BITS, E5M2_MAX_BITS, E5M2_NORMAL_BITS,
+                        E5M2_UNDERFLOW_BITS, FP16_MAX_BITS, FP16_NORMAL_BITS,
+                        FP16_UNDERFLOW_BITS, HBINS, INF_BITS, NEG_INF_BITS, PART_COUNTS, PART_HIST,
+                        Enc, Fast, Row)
 from .launch import FastLaunch
 from .ptx import _ballot_hist64, _l2_prefetch
-from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SUM, S_SUMSQ,
-                      _at_row_shift, _claim_shift, _decode_fp8, _emit_scalars, _load_shift, _put,
+from .row_ops import (_at_row_shift, _claim_shift, _decode_fp8, _emit_scalars, _load_shift, _put,
                       _sane_scale)
 from .tile_fast import _fast_tiles
 from .tile_fp8 import _fp8_tiles
-from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4, TS5,
-                       TS6, _INF, _MAXI, _NEGINF, _add_sums, _decode_tile, _tmax, _tmin,
-                       _tsum)
+from .tile_ops import _add_sums, _decode_tile, _tmax, _tmin, _tsum
+
 
 @triton.jit
 def _count_gt(yu, T: tl.constexpr, ymin, ymax, nz_t, c):
@@ -58,19 +61,24 @@ def _hist_window(u, valid, lo, NB: tl.constexpr, bins, TILE: tl.constexpr):
 
 
 @triton.jit
-def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr,
+def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr,
                    SCALED: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
-                   SUM32: tl.constexpr, PARTS: tl.constexpr, BALLOT: tl.constexpr,
-                   PREF: tl.constexpr = 0):
+                   BALLOT: tl.constexpr, PREF: tl.constexpr, SUM32: tl.constexpr = False,
+                   PARTS: tl.constexpr = ALL_PARTS):
     # Every case (NaN/Inf, scaled thresholds, float32 subnormals): the row's scalar fields as a
-    # 32-vector, the histogram, and the ballot histogram's per-lane counts and window.
+    # 32-vector, the histogram, and the ballot histogram's per-lane counts and window. SUM32,
+    # PARTS: timing only (kernels/_timing.py; the row is wrong without ALL_PARTS): PART_COUNTS
+    # the format counts, PART_HIST the histogram.
     TILE: tl.constexpr = U * T * V
     bins = tl.arange(0, HBINS)
     zt = tl.zeros([T], dtype=tl.int32)
     nzall = zt    # nonzero lanes, NaN/Inf included
-    cm4, cm5, cm6, ch4, ch5, ch6, cs4, cs5, cs6 = zt, zt, zt, zt, zt, zt, zt, zt, zt
+    # per format, #(u > *_MAX_BITS), #(u > *_UNDERFLOW_BITS), #(u > *_NORMAL_BITS)
+    gt_e4_max, gt_e5_max, gt_f16_max = zt, zt, zt
+    gt_e4_under, gt_e5_under, gt_f16_under = zt, zt, zt
+    gt_e4_normal, gt_e5_normal, gt_f16_normal = zt, zt, zt
     amx = tl.full([T], -1, tl.int32)
-    amn = tl.full([T], _MAXI, tl.int32)
+    amn = tl.full([T], ABS_MASK, tl.int32)
     mn = tl.full([T], float("inf"), tl.float32)
     mx = tl.full([T], float("-inf"), tl.float32)
     s1 = tl.zeros([T], dtype=tl.float64)
@@ -91,13 +99,14 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.co
     # is clamped. Tiles reaching outside it use tl.histogram over all 128 bins.
     e0 = pid * 0 + 31
     if BALLOT:
-        if FP8 == 0:
-            top = tl.max(nxt.to(tl.float32).to(tl.int32, bitcast=True) & _MAXI, 0)
-        elif FP8 == 3:
-            top = tl.max((nxt.to(tl.int32) << 16) & _MAXI, 0)
+        if ENC == Enc.FLOAT:
+            top = tl.max(nxt.to(tl.float32).to(tl.int32, bitcast=True) & ABS_MASK, 0)
+        elif ENC == Enc.BF16:
+            top = tl.max((nxt.to(tl.int32) << 16) & ABS_MASK, 0)
         else:
-            top = tl.max(_decode_fp8(nxt.to(tl.int32), FP8 == 2).to(tl.int32, bitcast=True)
-                         & _MAXI, 0)
+            top = tl.max(_decode_fp8(nxt.to(tl.int32), ENC == Enc.E5M2).to(tl.int32,
+                                                                             bitcast=True)
+                         & ABS_MASK, 0)
         e0 = tl.minimum(tl.maximum((top >> 23) - 55, 31), 95)
     hc0 = zt  # lane L of each warp: count of bin (e0 - 31 + L) ...
     hc1 = zt  # ... and of bin (e0 - 31 + L + 32)
@@ -107,25 +116,25 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.co
         if PREF:
             _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
                          TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        x, bits = _decode_tile(cur, FP8, U, T, V)
-        u = bits & _MAXI
+        x, bits = _decode_tile(cur, ENC, U, T, V)
+        u = bits & ABS_MASK
         nz = u != 0
         nz_t = _tsum(nz.to(tl.int32))
         nzall += nz_t
         umax_t = _tmax(u)
         tmax = tl.max(umax_t, 0)
-        if tmax >= _INF:  # rare: NaN or Inf in this tile
-            fin = u < _INF
-            c_nan += tl.sum(_tsum((u > _INF).to(tl.int32)), 0)
-            c_pinf += tl.sum(_tsum((bits == _INF).to(tl.int32)), 0)
-            c_ninf += tl.sum(_tsum((bits == _NEGINF).to(tl.int32)), 0)
+        if tmax >= INF_BITS:  # rare: NaN or Inf in this tile
+            fin = u < INF_BITS
+            c_nan += tl.sum(_tsum((u > INF_BITS).to(tl.int32)), 0)
+            c_pinf += tl.sum(_tsum((bits == INF_BITS).to(tl.int32)), 0)
+            c_ninf += tl.sum(_tsum((bits == NEG_INF_BITS).to(tl.int32)), 0)
             valid = nz & fin
             xf = tl.where(fin, x, 0.0)
             kf = tl.where(fin, kp, 0.0)  # zeroed values add nothing to the shifted sum either
             mn = tl.minimum(mn, _tmin(tl.where(fin, x, float("inf"))))
             mx = tl.maximum(mx, _tmax(tl.where(fin, x, float("-inf"))))
             amx = tl.maximum(amx, _tmax(tl.where(fin, u, -1)))
-            fbits = tl.where(u > _INF, 0x7FC00000, bits)  # canonical NaN, as in the reference
+            fbits = tl.where(u > INF_BITS, CANONICAL_NAN, bits)  # as in the reference
             hmax = tl.max(_tmax(tl.where(fin, u, 0)), 0)
         else:
             valid = nz
@@ -136,35 +145,35 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.co
             amx = tl.maximum(amx, umax_t)
             fbits = bits
             hmax = tmax
-        unz_t = _tmin(tl.where(valid, u, _MAXI))
+        unz_t = _tmin(tl.where(valid, u, ABS_MASK))
         amn = tl.minimum(amn, unz_t)
         tmin = tl.min(unz_t, 0)
-        s1, s2, s2k, blo, bhi = _add_sums(xf, fbits, s1, s2, s2k, kf, blo, bhi, FP8, SUM32)
+        s1, s2, s2k, blo, bhi = _add_sums(xf, fbits, s1, s2, s2k, kf, blo, bhi, ENC, SUM32)
         # format thresholds on y = |x * scale| (u itself when the scale is 1)
         if SCALED:
             # zeros stay out of every count: at scale +inf, 0 * inf is NaN, whose bits would
             # pass every threshold
-            yu = tl.where(nz, (tl.abs(x * scale)).to(tl.int32, bitcast=True) & _MAXI, 0)
-            ymin = tl.min(_tmin(tl.where(nz, yu, _MAXI)), 0)
+            yu = tl.where(nz, (tl.abs(x * scale)).to(tl.int32, bitcast=True) & ABS_MASK, 0)
+            ymin = tl.min(_tmin(tl.where(nz, yu, ABS_MASK)), 0)
             ymax = tl.max(_tmax(yu), 0)
         else:
             yu = u
             ymin = tmin
             ymax = tmax
-        if PARTS & 1:
-            cm4 = _count_gt(yu, TM4, ymin, ymax, nz_t, cm4)
-            cm5 = _count_gt(yu, TM5, ymin, ymax, nz_t, cm5)
-            cm6 = _count_gt(yu, TM6, ymin, ymax, nz_t, cm6)
-            ch4 = _count_gt(yu, TH4, ymin, ymax, nz_t, ch4)
-            ch5 = _count_gt(yu, TH5, ymin, ymax, nz_t, ch5)
-            ch6 = _count_gt(yu, TH6, ymin, ymax, nz_t, ch6)
-            cs4 = _count_gt(yu, TS4, ymin, ymax, nz_t, cs4)
-            cs5 = _count_gt(yu, TS5, ymin, ymax, nz_t, cs5)
-            cs6 = _count_gt(yu, TS6, ymin, ymax, nz_t, cs6)
+        if PART_COUNTS & PARTS:
+            gt_e4_max = _count_gt(yu, E4M3_MAX_BITS, ymin, ymax, nz_t, gt_e4_max)
+            gt_e5_max = _count_gt(yu, E5M2_MAX_BITS, ymin, ymax, nz_t, gt_e5_max)
+            gt_f16_max = _count_gt(yu, FP16_MAX_BITS, ymin, ymax, nz_t, gt_f16_max)
+            gt_e4_under = _count_gt(yu, E4M3_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_e4_under)
+            gt_e5_under = _count_gt(yu, E5M2_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_e5_under)
+            gt_f16_under = _count_gt(yu, FP16_UNDERFLOW_BITS, ymin, ymax, nz_t, gt_f16_under)
+            gt_e4_normal = _count_gt(yu, E4M3_NORMAL_BITS, ymin, ymax, nz_t, gt_e4_normal)
+            gt_e5_normal = _count_gt(yu, E5M2_NORMAL_BITS, ymin, ymax, nz_t, gt_e5_normal)
+            gt_f16_normal = _count_gt(yu, FP16_NORMAL_BITS, ymin, ymax, nz_t, gt_f16_normal)
         # exponent histogram of finite nonzero |x|; windows only where no bin is clamped
         elo = tmin >> 23
         ehi = hmax >> 23
-        if not (PARTS & 2):
+        if not (PART_HIST & PARTS):
             pass
         elif (elo >= e0) & (ehi < e0 + 64) & (z0 + BALLOT > 0):
             ps = _tsum(_ballot_hist64(tl.where(valid, (u >> 23) - e0, 64)))
@@ -174,7 +183,7 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.co
             hist += _hist_window(u, valid, elo - 31, 32, bins, TILE)
         elif (elo >= 31) & (ehi - 31 < HBINS) & (ehi - elo < 64):
             hist += _hist_window(u, valid, elo - 31, 64, bins, TILE)
-        elif tmin != _MAXI:
+        elif tmin != ABS_MASK:
             b = tl.minimum(tl.maximum((u >> 23) - 31, 0), HBINS - 1)
             hist += tl.histogram(tl.reshape(tl.where(valid, b, 0), [TILE]), HBINS,
                                  mask=tl.reshape(valid, [TILE]))
@@ -188,58 +197,49 @@ def _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp, krow, FP8: tl.co
     # subnormal = #(y > half-sub) - #(y >= subnormal limit). NaN/Inf x have y above every
     # threshold, so they are taken out of each count.
     nzf = nza - nonfin
-    g_h4 = tl.sum(ch4, 0) - nonfin
-    g_h5 = tl.sum(ch5, 0) - nonfin
-    g_h6 = tl.sum(ch6, 0) - nonfin
+    fin_gt_e4_under = tl.sum(gt_e4_under, 0) - nonfin
+    fin_gt_e5_under = tl.sum(gt_e5_under, 0) - nonfin
+    fin_gt_f16_under = tl.sum(gt_f16_under, 0) - nonfin
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
-    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, 1, c_nan)
-    v = _put(v, idx, 2, c_pinf)
-    v = _put(v, idx, 3, c_ninf)
-    v = _put(v, idx, 4, mine - nza)
-    v = _put(v, idx, S_MIN, tl.min(mn, 0))
-    v = _put(v, idx, S_MAX, tl.max(mx, 0))
-    v = _put(v, idx, S_AMAX, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
-    v = _put(v, idx, S_AMIN, tl.where(an == _MAXI, float("inf"),
-                                      an.to(tl.float32, bitcast=True)))
+    v = _put(v, idx, Row.NUMEL, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, Row.NAN, c_nan)
+    v = _put(v, idx, Row.POSINF, c_pinf)
+    v = _put(v, idx, Row.NEGINF, c_ninf)
+    v = _put(v, idx, Row.ZEROS, mine - nza)
+    v = _put(v, idx, Row.MIN, tl.min(mn, 0))
+    v = _put(v, idx, Row.MAX, tl.max(mx, 0))
+    v = _put(v, idx, Row.ABSMAX, tl.where(am < 0, float("-inf"), am.to(tl.float32, bitcast=True)))
+    v = _put(v, idx, Row.ABSMIN_NZ, tl.where(an == ABS_MASK, float("inf"),
+                                             an.to(tl.float32, bitcast=True)))
     s1t = tl.sum(s1, 0)
-    v = _put(v, idx, S_SUM, s1t)
-    v = _put(v, idx, S_SUMSQ, tl.sum(s2, 0))
+    v = _put(v, idx, Row.SUM, s1t)
+    v = _put(v, idx, Row.SUMSQ, tl.sum(s2, 0))
     v = _at_row_shift(v, idx, s1t, tl.sum(s2k, 0), mine - nonfin, kp, krow)
-    v = _put(v, idx, O_E4 + 0, tl.sum(cm4, 0) - nonfin)
-    v = _put(v, idx, O_E4 + 1, nzf - g_h4)
-    v = _put(v, idx, O_E4 + 2, g_h4 - tl.sum(cs4, 0) + nonfin)
-    v = _put(v, idx, O_E5 + 0, tl.sum(cm5, 0) - nonfin)
-    v = _put(v, idx, O_E5 + 1, nzf - g_h5)
-    v = _put(v, idx, O_E5 + 2, g_h5 - tl.sum(cs5, 0) + nonfin)
-    v = _put(v, idx, O_F16 + 0, tl.sum(cm6, 0) - nonfin)
-    v = _put(v, idx, O_F16 + 1, nzf - g_h6)
-    v = _put(v, idx, O_F16 + 2, g_h6 - tl.sum(cs6, 0) + nonfin)
-    v = _put(v, idx, S_BLO, tl.sum(blo, 0))
-    v = _put(v, idx, S_BHI, tl.sum(bhi, 0))
+    v = _put(v, idx, Row.E4M3_OVERFLOW, tl.sum(gt_e4_max, 0) - nonfin)
+    v = _put(v, idx, Row.E4M3_UNDERFLOW, nzf - fin_gt_e4_under)
+    v = _put(v, idx, Row.E4M3_SUBNORMAL, fin_gt_e4_under - tl.sum(gt_e4_normal, 0) + nonfin)
+    v = _put(v, idx, Row.E5M2_OVERFLOW, tl.sum(gt_e5_max, 0) - nonfin)
+    v = _put(v, idx, Row.E5M2_UNDERFLOW, nzf - fin_gt_e5_under)
+    v = _put(v, idx, Row.E5M2_SUBNORMAL, fin_gt_e5_under - tl.sum(gt_e5_normal, 0) + nonfin)
+    v = _put(v, idx, Row.FP16_OVERFLOW, tl.sum(gt_f16_max, 0) - nonfin)
+    v = _put(v, idx, Row.FP16_UNDERFLOW, nzf - fin_gt_f16_under)
+    v = _put(v, idx, Row.FP16_SUBNORMAL, fin_gt_f16_under - tl.sum(gt_f16_normal, 0) + nonfin)
+    v = _put(v, idx, Row.BITS_LO, tl.sum(blo, 0))
+    v = _put(v, idx, Row.BITS_HI, tl.sum(bhi, 0))
     return v, hist, hc0, hc1, e0
 
 
-@triton.jit(do_not_specialize=["n_full"])
-def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
-                       FP8: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
-                       U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
-                       SUM32: tl.constexpr = False, PARTS: tl.constexpr = 3,
-                       BALLOT: tl.constexpr = 0, FAST: tl.constexpr = 0,
-                       WORDS: tl.constexpr = False, BYTES: tl.constexpr = False,
-                       FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0,
-                       WIDE: tl.constexpr = False):
-    # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
-    # WIDE: element offsets in int64, for an n_full that Triton passes as int32 (below 2^31) but
-    # that the loops' offsets, up to ~10 grid steps beyond a tile, would take past it.
-    # PARTS, FPARTS (benchmarks only, to see where time goes; the row is wrong without all
-    # parts): the careful pass's (1 = format counts, 2 = histogram) and the fast pass's (1 =
-    # threshold counts, 2 = histogram); FPARTS 4: none of the row's atomics but the careful
-    # pass's warp-vote bins (the row stays as it was after a fast pass).
-    # FAST: 1 = the fast passes with tl.histogram, 2 = with the lane histogram in shared memory
-    # (GPU). BYTES (fp8): the byte-count pass (tile_fp8.py); else, unscaled: the fast pass
-    # (tile_fast.py), and a program whose data needs it runs the careful pass instead.
+@triton.jit
+def _tile_passes(x_ptr, out_ptr, scale_ptr, scale_val, n_full, ENC: tl.constexpr,
+                 SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, U: tl.constexpr,
+                 T: tl.constexpr, V: tl.constexpr, BALLOT: tl.constexpr, FAST: tl.constexpr,
+                 WORDS: tl.constexpr, BYTES: tl.constexpr, PREF: tl.constexpr,
+                 WIDE: tl.constexpr, SUM32: tl.constexpr, CAREFUL_PARTS: tl.constexpr,
+                 FAST_PARTS: tl.constexpr):
+    # The tile kernel up to its row merge: the row's scalar fields as a 32-vector, its
+    # histogram, and the careful pass's warp-vote counts and window (its own atomics). SUM32 and
+    # the *_PARTS: timing only (kernels/_timing.py).
     if WIDE:
         n_full = n_full.to(tl.int64)
     pid = tl.program_id(0)
@@ -251,79 +251,68 @@ def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
         scale = scale_val
     # the shift: the tensor's first element, the row's when it already has one (tile launches
     # start at element 0)
-    kp = _load_shift(x_ptr, FP8)
+    kp = _load_shift(x_ptr, ENC)
     krow = _claim_shift(out_ptr, kp)
     lanes = tl.arange(0, TILE)
-    if FAST and BYTES and (FP8 == 1 or FP8 == 2):  # fp8: from the count of each byte value
-        v, hist = _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8, U, T, V,
-                             FAST == 2, PREF, FPARTS)
+    LANE: tl.constexpr = FAST == Fast.LANE_HISTOGRAM
+    if FAST and BYTES and (ENC == Enc.E4M3 or ENC == Enc.E5M2):  # fp8: by byte value counts
+        v, hist = _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, ENC, U, T, V,
+                             LANE, PREF, FAST_PARTS)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
     elif FAST:
-        clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8, U, T, V,
-                                     SUM32, FAST == 2, WORDS, FPARTS, PREF)
+        clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC, U, T, V,
+                                     LANE, WORDS, PREF, SUM32, FAST_PARTS)
         hc0 = tl.zeros([T], dtype=tl.int32)
         hc1 = hc0
         e0 = pid * 0 + 31
         if clean == 0:
             v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp,
-                                                   krow, FP8, SCALED, U, T, V, SUM32, PARTS, 0,
-                                                   PREF)
+                                                   krow, ENC, SCALED, U, T, V, False, PREF,
+                                                   SUM32, CAREFUL_PARTS)
     else:
         v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, scale, n_full, pid, nprog, lanes, kp,
-                                               krow, FP8, SCALED, U, T, V, SUM32, PARTS, BALLOT,
-                                               PREF)
+                                               krow, ENC, SCALED, U, T, V, BALLOT, PREF, SUM32,
+                                               CAREFUL_PARTS)
+    return v, hist, hc0, hc1, e0
+
+
+@triton.jit
+def _merge_tile_row(out_ptr, v, hist, hc0, hc1, e0, T: tl.constexpr, BALLOT: tl.constexpr,
+                    FAST: tl.constexpr):
     idx = tl.arange(0, 32)
-    if (FPARTS & 4) == 0:  # bit 2 (timing only): no atomics into the row
-        _emit_scalars(out_ptr, idx, v)
-        bins = tl.arange(0, HBINS)
-        # empty bins are skipped: most of a row's atomics otherwise, serialized on the row
-        tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,
-                      sem="relaxed")
-    else:  # a store that never happens keeps the compiler from dropping the work
-        keep = tl.sum(v, 0) + tl.sum(hist, 0).to(tl.float64)
-        tl.store(out_ptr, keep, mask=keep == -1.2345e300)
+    _emit_scalars(out_ptr, idx, v)
+    bins = tl.arange(0, HBINS)
+    # empty bins are skipped: most of a row's atomics otherwise, serialized on the row
+    tl.atomic_add(out_ptr + Row.HIST + bins, hist.to(tl.float64), mask=hist != 0,
+                  sem="relaxed")
     if BALLOT and not FAST:
         lane = tl.arange(0, T) % 32
-        tl.atomic_add(out_ptr + O_HIST + (e0 - 31) + lane, hc0.to(tl.float64), mask=hc0 != 0,
+        tl.atomic_add(out_ptr + Row.HIST + (e0 - 31) + lane, hc0.to(tl.float64), mask=hc0 != 0,
                       sem="relaxed")
-        tl.atomic_add(out_ptr + O_HIST + (e0 - 31) + 32 + lane, hc1.to(tl.float64),
+        tl.atomic_add(out_ptr + Row.HIST + (e0 - 31) + 32 + lane, hc1.to(tl.float64),
                       mask=hc1 != 0, sem="relaxed")
 
 
-def tile_shape(itemsize: int, interpreting: bool, num_warps: int = 4,
-               u: "int | None" = None) -> tuple[int, int, int]:
-    """(U, T, V): V elements per 16-byte load, T threads, U 16-byte loads per thread and tile."""
-    v = 16 // itemsize
-    if interpreting:  # few, wide programs; 8192-element tiles like the interpreter's blocks
-        return 8192 // (256 * v), 256, v
-    # two 16-byte loads per thread and tile for float32 and bf16, one for fp8: measured fastest
-    # on the H200 (docs/kernels.md, "Loads, grid and registers")
-    rows = u if isinstance(u, int) else 1 if v == 16 else 2
-    return rows, 32 * num_warps, v
-
-
-def tile_consts(aligned4: bool, has_ptr: bool, scaled: bool, fp8: int, shape: tuple,
-                sum32: bool, parts: int, ballot: bool, fast: int, words: bool, bytes_: bool,
-                maxnreg: "int | None", fparts: int, pref: int,
-                wide: bool = False) -> tuple[dict, dict]:
-    """The tile kernel's constexprs and compile options (aligned4: x starts 4-byte aligned).
-    fast: 0 careful pass only, 1 fast pass with tl.histogram, 2 with the shared-memory lane
-    histogram (GPU only). bytes_: fp8 through its byte-count pass (tile_fp8.py), also taken for
-    scaled fp8; other scaled tensors take the careful pass."""
-    u, t, v = shape
-    bytes_ = bool(fast and fp8 in (1, 2) and (bytes_ or scaled))
-    fast = 0 if scaled and not bytes_ else fast
-    # bf16 two values per 32-bit load: needs a 4-byte aligned start
-    words = bool(fast and fp8 == 3 and words and aligned4)
-    consts = dict(FP8=fp8, SCALED=scaled, HAS_SCALE_PTR=has_ptr, U=u, T=t, V=v, SUM32=sum32,
-                  PARTS=parts, BALLOT=int(ballot and not fast), FAST=fast, WORDS=words,
-                  BYTES=bytes_, FPARTS=fparts, PREF=pref, WIDE=wide)
-    # a register cap for the kernels with a fast pass (more programs per SM; their careful pass
-    # runs under it too); the careful pass alone keeps what the compiler gives it
-    opts = {} if maxnreg is None or not fast else {"maxnreg": maxnreg}
-    return consts, opts
+@triton.jit(do_not_specialize=["n_full"])
+def _tile_stats_kernel(x_ptr, out_ptr, scale_ptr, scale_val, n_full,
+                       ENC: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
+                       U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                       BALLOT: tl.constexpr, FAST: tl.constexpr, WORDS: tl.constexpr,
+                       BYTES: tl.constexpr, PREF: tl.constexpr, WIDE: tl.constexpr):
+    # The statistics of x's n_full elements (whole [U, T, V] tiles, constants.Encoding ENC)
+    # merged into the row at out_ptr. FAST (constants.FastPass): the fast pass (tile_fast.py)
+    # for unscaled tensors, and a program whose data needs it runs the careful pass instead;
+    # OFF: the careful pass only. BYTES (fp8): the byte-count pass (tile_fp8.py). BALLOT (GPU,
+    # careful pass): the histogram by warp vote. WORDS (bf16): two values per 32-bit load.
+    # PREF (GPU only): each loop asks for the tile PREF tiles ahead into L2 (ptx._l2_prefetch).
+    # WIDE: element offsets in int64, for an n_full that Triton passes as int32 (below 2^31) but
+    # that the loops' offsets, up to ~10 grid steps beyond a tile, would take past it.
+    v, hist, hc0, hc1, e0 = _tile_passes(x_ptr, out_ptr, scale_ptr, scale_val, n_full, ENC,
+                                         SCALED, HAS_SCALE_PTR, U, T, V, BALLOT, FAST, WORDS,
+                                         BYTES, PREF, WIDE, False, ALL_PARTS, ALL_PARTS)
+    _merge_tile_row(out_ptr, v, hist, hc0, hc1, e0, T, BALLOT, FAST)
 
 
 _launch = FastLaunch(_tile_stats_kernel)

@@ -3,11 +3,12 @@ case of finite values and scale 1.
 
 Per element it keeps running extrema, float64 sums, the fingerprint and one count in a 256-bin
 histogram of the float32 exponent field of |x| (zeros in bin 0, Inf/NaN in bin 255), whose bins
-also count, in their high half, the values at or above their field's threshold (_THR below).
+also count, in their high half, the values at or above their field's threshold
+(THRESHOLDS below).
 Everything else comes from that histogram once, at the end: zeros, the nonzero count, the seven
 threshold counts (E4M3 max, three underflow thresholds, three subnormal limits; hence underflow =
-nonzero - #(u > threshold)), the E5M2 and fp16 overflow counts, and the row's 128 bins.
-(Before: seven compares per element, 40 % of the bf16 kernel's time on the H200.)
+nonzero - #(u > threshold)), the E5M2 and fp16 overflow counts, and the row's 128 bins (seven
+compares per element instead: docs/kernels.md, "What loses, and why").
 
 Those derivations are exact only when the program's data has none of:
 - Inf or NaN (bin 255),
@@ -23,55 +24,65 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .constants import (ABS_MASK, ALL_PARTS, E4M3_MAX_BITS, E4M3_NORMAL_BITS,
+                        E4M3_UNDERFLOW_BITS, E5M2_MAX_BITS, E5M2_NORMAL_BITS,
+                        E5M2_UNDERFLOW_BITS, FP16_MAX_BITS, FP16_NORMAL_BITS,
+                        FP16_UNDERFLOW_BITS, HBINS, PART_COUNTS, PART_HIST, Enc, Row)
 from .ptx import (THR_ROWS, TOP_ROW, _THR_SLOT_HI, _THR_SLOT_LO, _bf16x2_max, _bf16x2_min,
                   _halves_sum, _l2_prefetch, _lane_col, _lane_hist_add_at, _lane_hist_count,
                   _lane_hist_init_thr_ptx, _lane_hist_init_with, _lane_hist_read2,
                   _lane_thr_slot, _s16x2_min, _thr_value)
-from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
-                       TS5, TS6, _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum)
-from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SUM, S_SUMSQ,
-                      _at_row_shift, _put)
+from .row_ops import _at_row_shift, _put
+from .tile_ops import _add_sums, _bit, _bit_rows, _decode_tile, _tmax, _tmin, _tsum
 
 
-def _field(bits: int) -> int:
-    return bits >> 23
+def _field(bits) -> int:
+    return int(bits) >> 23
 
 
-assert _field(TM5.value) == _field(TM6.value) == 142 and _field(TM4.value) < 142
-F_MAXBIN = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
-F_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
-_BAD = tl.constexpr(30)  # where _hist_counts puts the count of values the fast pass cannot take
-assert O_E5.value == O_E4.value + 3 and O_F16.value == O_E5.value + 3 and O_HIST.value <= _BAD
+assert _field(E5M2_MAX_BITS) == _field(FP16_MAX_BITS) == 142 and _field(E4M3_MAX_BITS) < 142
+FLD_MAXES = tl.constexpr(142)  # [2^15, 2^16): holds the E5M2 and fp16 maxima
+FLD_BIG = tl.constexpr(127 + 60)  # |x| >= 2^60
+# the 32-vector slot (past the row's scalar fields) where _hist_counts puts the count of values
+# the fast pass cannot count exactly
+NOT_EXACT = tl.constexpr(30)
+assert (Row.E4M3_OVERFLOW + 3 == Row.E5M2_OVERFLOW and Row.E5M2_OVERFLOW + 3 == Row.FP16_OVERFLOW
+        and Row.HIST <= NOT_EXACT)
 
 
 # Six of the seven threshold counts sit in six different exponent fields: count(|x| > K) =
 # (values in fields above K's) + (values in K's field at or above K + 1). The histogram's bin of
-# field f counts, in its high 16 bits, the values at or above the threshold THR[f] of that field
-# (one table lookup and one compare per element, whatever the number of thresholds). The
-# seventh, fp16's subnormal limit, shares field 112 with E5M2's: bf16 and fp8 values (at most 7
-# mantissa bits) never lie between it and 2^-14, so it is (values in fields >= 113); float32
-# and fp16 inputs compare each element with it.
-_THR = {TH6.value >> 23: TH6.value + 1, TH5.value >> 23: TH5.value + 1,
-        TS5.value >> 23: TS5.value + 1, TH4.value >> 23: TH4.value + 1,
-        TS4.value >> 23: TS4.value + 1, TM4.value >> 23: TM4.value + 1}
-assert len(_THR) == 6 and (TS6.value >> 23) == (TS5.value >> 23) == 112
-assert (TS6.value + 1) & 0x7FFFFF > 0x7F0000  # above every 7-bit mantissa in field 112
-F6, F5, F5S, F4, F4S, F4M = (tl.constexpr(TH6.value >> 23), tl.constexpr(TH5.value >> 23),
-                             tl.constexpr(TS5.value >> 23), tl.constexpr(TH4.value >> 23),
-                             tl.constexpr(TS4.value >> 23), tl.constexpr(TM4.value >> 23))
-C6, C5, C5S, C4, C4S, C4M = (tl.constexpr(_THR[F6.value]), tl.constexpr(_THR[F5.value]),
-                             tl.constexpr(_THR[F5S.value]), tl.constexpr(_THR[F4.value]),
-                             tl.constexpr(_THR[F4S.value]), tl.constexpr(_THR[F4M.value]))
-_INIT_THR = tl.constexpr(_lane_hist_init_thr_ptx(_THR))
+# field f counts, in its high 16 bits, the values at or above the threshold THRESHOLDS[f] of
+# that field (one table lookup and one compare per element, whatever the number of
+# thresholds). The seventh, fp16's subnormal limit, shares field 112 with E5M2's: bf16 and fp8
+# values (at most 7 mantissa bits) never lie between it and 2^-14, so it is (values in fields
+# >= 113); float32 and fp16 inputs compare each element with it.
+_COUNTED = (FP16_UNDERFLOW_BITS, E5M2_UNDERFLOW_BITS, E5M2_NORMAL_BITS, E4M3_UNDERFLOW_BITS,
+            E4M3_NORMAL_BITS, E4M3_MAX_BITS)
+THRESHOLDS = {_field(t): int(t) + 1 for t in _COUNTED}
+assert len(THRESHOLDS) == 6 and _field(FP16_NORMAL_BITS) == _field(E5M2_NORMAL_BITS) == 112
+assert (int(FP16_NORMAL_BITS) + 1) & 0x7FFFFF > 0x7F0000  # above every 7-bit mantissa, field 112
+# each threshold's exponent field (FLD_*) and its table word there (THR_*: the bits it counts
+# from)
+(FLD_FP16_UNDER, FLD_E5M2_UNDER, FLD_E5M2_NORMAL, FLD_E4M3_UNDER, FLD_E4M3_NORMAL,
+ FLD_E4M3_MAX) = (tl.constexpr(_field(t)) for t in _COUNTED)
+(THR_FP16_UNDER, THR_E5M2_UNDER, THR_E5M2_NORMAL, THR_E4M3_UNDER, THR_E4M3_NORMAL,
+ THR_E4M3_MAX) = (tl.constexpr(THRESHOLDS[_field(t)]) for t in _COUNTED)
+_INIT_THR = tl.constexpr(_lane_hist_init_thr_ptx(THRESHOLDS))
 
 
 @triton.jit
 def _thr_key(u, N: tl.constexpr):
     # the interpreter's twin of the lane count: field + 256 when u >= the field's threshold
     fld = u >> 23
-    t = tl.where(fld == F6, C6, tl.where(fld == F5, C5, tl.where(fld == F5S, C5S, tl.where(
-        fld == F4, C4, tl.where(fld == F4S, C4S, tl.where(fld == F4M, C4M, 0x7FFFFFFF))))))
-    above = (u >= t) & (t != 0x7FFFFFFF)
+    t = tl.where(fld == FLD_FP16_UNDER, THR_FP16_UNDER,
+                 tl.where(fld == FLD_E5M2_UNDER, THR_E5M2_UNDER,
+                          tl.where(fld == FLD_E5M2_NORMAL, THR_E5M2_NORMAL,
+                                   tl.where(fld == FLD_E4M3_UNDER, THR_E4M3_UNDER,
+                                            tl.where(fld == FLD_E4M3_NORMAL, THR_E4M3_NORMAL,
+                                                     tl.where(fld == FLD_E4M3_MAX, THR_E4M3_MAX,
+                                                              ABS_MASK))))))
+    above = (u >= t) & (t != ABS_MASK)
     return tl.reshape(fld + tl.where(above, 256, 0), [N])
 
 
@@ -80,9 +91,12 @@ def _top_rows(h, ab, f):
     # The lane histogram's rows TOP_ROW.. hold the threshold table (ptx.THR_ROWS): their fields'
     # counts become 1 where a count changed a row's total from its initial words (a value the
     # fast pass does not keep), else 0; no row of theirs has a threshold count
-    init = (tl.where(f == F6 + THR_ROWS, C6, 0) + tl.where(f == F5 + THR_ROWS, C5, 0)
-            + tl.where(f == F5S + THR_ROWS, C5S, 0) + tl.where(f == F4 + THR_ROWS, C4, 0)
-            + tl.where(f == F4S + THR_ROWS, C4S, 0) + tl.where(f == F4M + THR_ROWS, C4M, 0))
+    init = (tl.where(f == FLD_FP16_UNDER + THR_ROWS, THR_FP16_UNDER, 0)
+            + tl.where(f == FLD_E5M2_UNDER + THR_ROWS, THR_E5M2_UNDER, 0)
+            + tl.where(f == FLD_E5M2_NORMAL + THR_ROWS, THR_E5M2_NORMAL, 0)
+            + tl.where(f == FLD_E4M3_UNDER + THR_ROWS, THR_E4M3_UNDER, 0)
+            + tl.where(f == FLD_E4M3_NORMAL + THR_ROWS, THR_E4M3_NORMAL, 0)
+            + tl.where(f == FLD_E4M3_MAX + THR_ROWS, THR_E4M3_MAX, 0))
     moved = ab.to(tl.int64) * 65536 + h.to(tl.int64) - 32 * init.to(tl.int64)
     top = f >= TOP_ROW
     return tl.where(top, (moved != 0).to(tl.int32), h), tl.where(top, 0, ab)
@@ -101,26 +115,41 @@ def _span(f, lo, hi, k: tl.constexpr):
 
 
 @triton.jit
-def _hist_counts(h, ab, f, FP8: tl.constexpr):
-    # The row's counts (at their field index in a 32-vector; _BAD at index 30) as sums of h and
-    # ab over field ranges, all in one reduction: bit k of pos/neg (apos/aneg) says that h[f]
-    # (ab[f]) adds to / takes from count k. What each count is: see the module's docstring.
-    pos = (_span(f, 0, 1, 4) | _span(f, F4M + 1, 256, O_E4) | _span(f, 1, 255, O_E4 + 1)
-           | _span(f, F4 + 1, 256, O_E4 + 2) | _span(f, F_MAXBIN + 1, 255, O_E5)
-           | _span(f, 1, 255, O_E5 + 1) | _span(f, F5 + 1, 256, O_E5 + 2)
-           | _span(f, F_MAXBIN + 1, 255, O_F16) | _span(f, 1, 255, O_F16 + 1)
-           | _span(f, F6 + 1, 256, O_F16 + 2) | _span(f, F_MAXBIN, F_MAXBIN + 1, _BAD)
-           | _span(f, F_BIG, 256, _BAD))
-    neg = (_span(f, F4 + 1, 256, O_E4 + 1) | _span(f, F4S + 1, 256, O_E4 + 2)
-           | _span(f, F5 + 1, 256, O_E5 + 1) | _span(f, F5S + 1, 256, O_E5 + 2)
-           | _span(f, F6 + 1, 256, O_F16 + 1))
-    if FP8 != 0:  # bf16 and fp8: fp16's subnormal limit from the fields (module docstring)
-        neg = neg | _span(f, F5S + 1, 256, O_F16 + 2)
-    apos = (_span(f, F4M, F4M + 1, O_E4) | _span(f, F4, F4 + 1, O_E4 + 2)
-            | _span(f, F5, F5 + 1, O_E5 + 2) | _span(f, F6, F6 + 1, O_F16 + 2))
-    aneg = (_span(f, F4, F4 + 1, O_E4 + 1) | _span(f, F4S, F4S + 1, O_E4 + 2)
-            | _span(f, F5, F5 + 1, O_E5 + 1) | _span(f, F5S, F5S + 1, O_E5 + 2)
-            | _span(f, F6, F6 + 1, O_F16 + 1))
+def _hist_counts(h, ab, f, ENC: tl.constexpr):
+    # The row's counts (at their Row offsets in a 32-vector; NOT_EXACT at its own slot) as sums
+    # of h and ab over field ranges, all in one reduction: bit k of pos/neg (apos/aneg) says that
+    # h[f] (ab[f]) adds to / takes from count k. What each count is: the module's docstring.
+    # Overflow: fields above the max's; underflow: nonzero (fields 1..254) less those above the
+    # underflow threshold; subnormal: above the underflow threshold less those at or above the
+    # subnormal limit (ab: the counts at or above the threshold within its own field).
+    pos = (_span(f, 0, 1, Row.ZEROS)
+           | _span(f, FLD_E4M3_MAX + 1, 256, Row.E4M3_OVERFLOW)
+           | _span(f, 1, 255, Row.E4M3_UNDERFLOW)
+           | _span(f, FLD_E4M3_UNDER + 1, 256, Row.E4M3_SUBNORMAL)
+           | _span(f, FLD_MAXES + 1, 255, Row.E5M2_OVERFLOW)
+           | _span(f, 1, 255, Row.E5M2_UNDERFLOW)
+           | _span(f, FLD_E5M2_UNDER + 1, 256, Row.E5M2_SUBNORMAL)
+           | _span(f, FLD_MAXES + 1, 255, Row.FP16_OVERFLOW)
+           | _span(f, 1, 255, Row.FP16_UNDERFLOW)
+           | _span(f, FLD_FP16_UNDER + 1, 256, Row.FP16_SUBNORMAL)
+           | _span(f, FLD_MAXES, FLD_MAXES + 1, NOT_EXACT)
+           | _span(f, FLD_BIG, 256, NOT_EXACT))
+    neg = (_span(f, FLD_E4M3_UNDER + 1, 256, Row.E4M3_UNDERFLOW)
+           | _span(f, FLD_E4M3_NORMAL + 1, 256, Row.E4M3_SUBNORMAL)
+           | _span(f, FLD_E5M2_UNDER + 1, 256, Row.E5M2_UNDERFLOW)
+           | _span(f, FLD_E5M2_NORMAL + 1, 256, Row.E5M2_SUBNORMAL)
+           | _span(f, FLD_FP16_UNDER + 1, 256, Row.FP16_UNDERFLOW))
+    if ENC != Enc.FLOAT:  # bf16 and fp8: fp16's subnormal limit from the fields (docstring)
+        neg = neg | _span(f, FLD_E5M2_NORMAL + 1, 256, Row.FP16_SUBNORMAL)
+    apos = (_span(f, FLD_E4M3_MAX, FLD_E4M3_MAX + 1, Row.E4M3_OVERFLOW)
+            | _span(f, FLD_E4M3_UNDER, FLD_E4M3_UNDER + 1, Row.E4M3_SUBNORMAL)
+            | _span(f, FLD_E5M2_UNDER, FLD_E5M2_UNDER + 1, Row.E5M2_SUBNORMAL)
+            | _span(f, FLD_FP16_UNDER, FLD_FP16_UNDER + 1, Row.FP16_SUBNORMAL))
+    aneg = (_span(f, FLD_E4M3_UNDER, FLD_E4M3_UNDER + 1, Row.E4M3_UNDERFLOW)
+            | _span(f, FLD_E4M3_NORMAL, FLD_E4M3_NORMAL + 1, Row.E4M3_SUBNORMAL)
+            | _span(f, FLD_E5M2_UNDER, FLD_E5M2_UNDER + 1, Row.E5M2_UNDERFLOW)
+            | _span(f, FLD_E5M2_NORMAL, FLD_E5M2_NORMAL + 1, Row.E5M2_SUBNORMAL)
+            | _span(f, FLD_FP16_UNDER, FLD_FP16_UNDER + 1, Row.FP16_UNDERFLOW))
     w = _bit_rows(pos) - _bit_rows(neg)
     wa = _bit_rows(apos) - _bit_rows(aneg)
     return tl.sum(w * h[None, :] + wa * ab[None, :], 1)
@@ -129,7 +158,7 @@ def _hist_counts(h, ab, f, FP8: tl.constexpr):
 @triton.jit
 def _words_tile(cur, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U: tl.constexpr,
                 T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                FPARTS: tl.constexpr):
+                PARTS: tl.constexpr):
     # one tile of bf16 read as 32-bit words (two values each) into the fast pass's accumulators;
     # on the GPU (LANE) mn and mx are bf16 pairs, both halves compared at once (_words_unpair)
     TILE: tl.constexpr = U * T * V
@@ -138,8 +167,8 @@ def _words_tile(cur, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U: tl.co
     hi = w & -65536
     xl = lo.to(tl.float32, bitcast=True)
     xh = hi.to(tl.float32, bitcast=True)
-    ul = lo & 0x7FFFFFFF
-    uh = hi & 0x7FFFFFFF
+    ul = lo & ABS_MASK
+    uh = hi & ABS_MASK
     if LANE:
         mn = _bf16x2_min(mn, tl.reduce(tl.reduce(w, 2, _bf16x2_min), 0, _bf16x2_min))
         mx = _bf16x2_max(mx, tl.reduce(tl.reduce(w, 2, _bf16x2_max), 0, _bf16x2_max))
@@ -173,9 +202,9 @@ def _words_tile(cur, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U: tl.co
         bhi += _tsum(_halves_sum(w)).to(tl.int64)
     else:
         bhi += _tsum((w & 0xFFFF) + ((w >> 16) & 0xFFFF)).to(tl.int64)
-    if (FPARTS & 2) == 0:
+    if (PART_HIST & PARTS) == 0:
         pass
-    elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
+    elif LANE and (PART_COUNTS & PARTS):  # every table load of the tile before its atomics
         al, tlo = _lane_thr_slot(w, col, _THR_SLOT_LO)
         ah, thi = _lane_thr_slot(w, col, _THR_SLOT_HI)
         vl = _thr_value(xl, tlo)
@@ -212,42 +241,44 @@ def _words_unpair(p, LARGER: tl.constexpr):
 
 
 @triton.jit
-def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col,
-                 FP8: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
-                 SUM32: tl.constexpr, LANE: tl.constexpr, FPARTS: tl.constexpr):
+def _values_tile(cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, gt_f16_normal, h2, table, col,
+                 ENC: tl.constexpr, U: tl.constexpr, T: tl.constexpr, V: tl.constexpr,
+                 SUM32: tl.constexpr, LANE: tl.constexpr, PARTS: tl.constexpr):
     # one tile of float32 / fp16 / bf16 / fp8 values into the fast pass's accumulators
     TILE: tl.constexpr = U * T * V
-    x, bits = _decode_tile(cur, FP8, U, T, V)
-    u = bits & 0x7FFFFFFF
+    x, bits = _decode_tile(cur, ENC, U, T, V)
+    u = bits & ABS_MASK
     mn = tl.minimum(mn, _tmin(x))
     mx = tl.maximum(mx, _tmax(x))
     um1 = tl.minimum(um1, _tmin((u - 1).to(tl.uint32, bitcast=True)))
-    s1, s2, s2k, blo, bhi = _add_sums(x, bits, s1, s2, s2k, kp, blo, bhi, FP8, SUM32)
-    if FP8 == 0 and (FPARTS & 1):  # float32 / fp16 input: fp16's subnormal limit
-        cs6 += _tsum((u > TS6).to(tl.int32))
-    if (FPARTS & 2) == 0:
+    s1, s2, s2k, blo, bhi = _add_sums(x, bits, s1, s2, s2k, kp, blo, bhi, ENC, SUM32)
+    if ENC == Enc.FLOAT and (PART_COUNTS & PARTS):  # float32 / fp16: fp16's subnormal limit
+        gt_f16_normal += _tsum((u > FP16_NORMAL_BITS).to(tl.int32))
+    if (PART_HIST & PARTS) == 0:
         pass
-    elif LANE and (FPARTS & 1):  # every table load of the tile before its atomics
+    elif LANE and (PART_COUNTS & PARTS):  # every table load of the tile before its atomics
         addr, t = _lane_thr_slot(bits, col, _THR_SLOT_HI)
         _lane_hist_add_at(addr, _thr_value(x, t))
     elif LANE:
         _lane_hist_count(u, table)
     else:
         h2 += tl.histogram(_thr_key(u, TILE), 512)
-    return mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2
+    return mn, mx, um1, s1, s2, s2k, blo, bhi, gt_f16_normal, h2
 
 
 @triton.jit
-def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr, U: tl.constexpr,
-                T: tl.constexpr, V: tl.constexpr, SUM32: tl.constexpr, LANE: tl.constexpr,
-                WORDS: tl.constexpr = False, FPARTS: tl.constexpr = 3, PREF: tl.constexpr = 0):
+def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC: tl.constexpr, U: tl.constexpr,
+                T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr, WORDS: tl.constexpr,
+                PREF: tl.constexpr, SUM32: tl.constexpr = False,
+                PARTS: tl.constexpr = ALL_PARTS):
     # Returns (clean, the row's scalar fields as a 32-vector, the row's histogram); when clean is
     # 0 the other two are not to be used. LANE: the shared-memory lane histogram (GPU) instead
     # of tl.histogram. WORDS (bf16 at a 4-byte aligned address): two values per 32-bit word.
-    # FPARTS (benchmarks only, timing what each part costs; the row is wrong without both):
-    # bit 0 the threshold counts, bit 1 the histogram. PREF (GPU): L2 prefetch, tiles ahead.
+    # PREF (GPU): L2 prefetch, tiles ahead. SUM32, PARTS: timing only (kernels/_timing.py;
+    # the row is wrong without ALL_PARTS): PART_COUNTS the threshold counts, PART_HIST the
+    # histogram.
     TILE: tl.constexpr = U * T * V
-    cs6 = tl.zeros([T], dtype=tl.int32)
+    gt_f16_normal = tl.zeros([T], dtype=tl.int32)  # #(u > FP16_NORMAL_BITS), float32/fp16 only
     um1 = tl.full([T], 0xFFFFFFFF, tl.uint32)  # min of |x| bits - 1: zeros wrap to the top
     mn = tl.full([T], float("inf"), tl.float32)
     mx = tl.full([T], float("-inf"), tl.float32)
@@ -285,14 +316,14 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr, U
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last), TILE * 2)
             mn, mx, um1, s1, s2, s2k, bhi, h2 = _words_tile(
                 a, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U, T, V, SUM32, LANE,
-                FPARTS)
+                PARTS)
             a = tl.load(wp + tl.multiple_of(tl.minimum(start + 2 * step, last) // 2, TW) + wl)
             if start + step < n_full:
                 if PREF:
                     _l2_prefetch(x_ptr + tl.minimum(start + (PREF + 1) * step, last), TILE * 2)
                 mn, mx, um1, s1, s2, s2k, bhi, h2 = _words_tile(
                     b, mn, mx, um1, s1, s2, s2k, kp, bhi, h2, table, col, U, T, V, SUM32, LANE,
-                    FPARTS)
+                    PARTS)
             b = tl.load(wp + tl.multiple_of(tl.minimum(start + 3 * step, last) // 2, TW) + wl)
         if LANE:
             mn = _words_unpair(mn, False)
@@ -306,9 +337,9 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr, U
             if PREF:
                 _l2_prefetch(x_ptr + tl.minimum(start + PREF * step, last),
                              TILE * (x_ptr.dtype.element_ty.primitive_bitwidth // 8))
-            mn, mx, um1, s1, s2, s2k, blo, bhi, cs6, h2 = _values_tile(
-                cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, cs6, h2, table, col, FP8, U, T, V,
-                SUM32, LANE, FPARTS)
+            mn, mx, um1, s1, s2, s2k, blo, bhi, gt_f16_normal, h2 = _values_tile(
+                cur, mn, mx, um1, s1, s2, s2k, kp, blo, bhi, gt_f16_normal, h2, table, col, ENC,
+                U, T, V, SUM32, LANE, PARTS)
     if LANE:
         tl.debug_barrier()
         h, ab = _lane_hist_read2(f)
@@ -320,28 +351,29 @@ def _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8: tl.constexpr, U
         ab = tl.sum(tl.where(row == 1, hh, 0), 0)
     # every reduction below is block-wide (a barrier and a shared-memory round trip, in a chain
     # the program ends on): one for the scalars, one for all the counts, one for the flag
-    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, s6t, s2kt = tl.reduce(
-        (mn, mx, um1, s1, s2, blo, bhi, cs6, s2k), 0, _fold)
-    cnt = _hist_counts(h, ab, f, FP8)
+    lo_mn, hi_mx, m1, s1t, s2t, blot, bhit, gt_f16_normal_t, s2kt = tl.reduce(
+        (mn, mx, um1, s1, s2, blo, bhi, gt_f16_normal, s2k), 0, _fold)
+    cnt = _hist_counts(h, ab, f, ENC)
     idx = tl.arange(0, 32)
-    clean = (tl.sum(tl.where(idx == _BAD, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
-    counted = (idx == 4) | ((idx >= O_E4) & (idx < O_F16 + 3))  # the fields cnt fills
+    clean = (tl.sum(tl.where(idx == NOT_EXACT, cnt, 0), 0) == 0) & (m1 >= 0x7FFFFF)
+    # the fields cnt fills
+    counted = (idx == Row.ZEROS) | ((idx >= Row.E4M3_OVERFLOW) & (idx < Row.FP16_SUBNORMAL + 1))
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
-    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, S_MIN, lo_mn)
-    v = _put(v, idx, S_MAX, hi_mx)
-    v = _put(v, idx, S_AMAX, tl.maximum(-lo_mn, hi_mx))
-    v = _put(v, idx, S_AMIN, tl.where(m1 == 0xFFFFFFFF, float("inf"),
-                                      (m1 + 1).to(tl.float32, bitcast=True)))
-    v = _put(v, idx, S_SUM, s1t)
-    v = _put(v, idx, S_SUMSQ, s2t)
+    v = _put(v, idx, Row.NUMEL, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, Row.MIN, lo_mn)
+    v = _put(v, idx, Row.MAX, hi_mx)
+    v = _put(v, idx, Row.ABSMAX, tl.maximum(-lo_mn, hi_mx))
+    v = _put(v, idx, Row.ABSMIN_NZ, tl.where(m1 == 0xFFFFFFFF, float("inf"),
+                                             (m1 + 1).to(tl.float32, bitcast=True)))
+    v = _put(v, idx, Row.SUM, s1t)
+    v = _put(v, idx, Row.SUMSQ, s2t)
     # every value is finite here (else the careful pass runs): the program's count is what it read
     mine = tl.cdiv(tl.maximum(n_full - pid * TILE, 0), nprog * TILE) * TILE
     v = _at_row_shift(v, idx, s1t, s2kt, mine, kp, krow)
-    if FP8 == 0:  # fp16's subnormal limit, counted element by element
-        v = tl.where(idx == O_F16 + 2, v - s6t.to(tl.float64), v)
-    v = _put(v, idx, S_BLO, blot)
-    v = _put(v, idx, S_BHI, bhit)
+    if ENC == Enc.FLOAT:  # fp16's subnormal limit, counted element by element
+        v = tl.where(idx == Row.FP16_SUBNORMAL, v - gt_f16_normal_t.to(tl.float64), v)
+    v = _put(v, idx, Row.BITS_LO, blot)
+    v = _put(v, idx, Row.BITS_HI, bhit)
     # row bin b holds exponent field b + 31; bin 0 also fields 1..30, bin 127 fields 159..254
     b = tl.arange(0, HBINS)
     cum = tl.cumsum(h, 0)

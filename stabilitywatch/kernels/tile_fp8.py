@@ -17,11 +17,14 @@ import triton
 import triton.language as tl
 
 from ..formats import FORMATS, Fmt
+from .constants import (ABS_MASK, ALL_PARTS, CANONICAL_NAN, E4M3_MAX_BITS, E4M3_NORMAL_BITS,
+                        E4M3_UNDERFLOW_BITS, E5M2_MAX_BITS, E5M2_NORMAL_BITS,
+                        E5M2_UNDERFLOW_BITS, FP16_MAX_BITS, FP16_NORMAL_BITS,
+                        FP16_UNDERFLOW_BITS, HBINS, INF_BITS, NEG_INF_BITS, PART_COUNTS, PART_HIST,
+                        Enc, Row)
 from .ptx import _l2_prefetch, _lane_hist_count_byte, _lane_hist_init, _lane_hist_read
-from .row_ops import (S_AMAX, S_AMIN, S_BHI, S_BLO, S_MAX, S_MIN, S_SSQ, S_SSUM, S_SUM,
-                      S_SUMSQ, _decode_fp8, _put)
-from .tile_ops import (HBINS, O_E4, O_E5, O_F16, O_HIST, TH4, TH5, TH6, TM4, TM5, TM6, TS4,
-                       TS5, TS6, _INF, _MAXI, _NEGINF, _bit, _bit_rows)
+from .row_ops import _decode_fp8, _put
+from .tile_ops import _bit, _bit_rows
 
 
 def _row_bins(fmt: Fmt) -> tuple[int, int]:
@@ -48,20 +51,20 @@ def _fold(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7
 
 
 @triton.jit
-def _row_hist(h, FP8: tl.constexpr, FPARTS: tl.constexpr):
+def _row_hist(h, ENC: tl.constexpr, PARTS: tl.constexpr):
     # The row's histogram from the 256 byte counts, summed here: one atomic per bin and program.
     # (Each byte's count as its own atomic put ~16 same-address float64 atomics per bin and
     # program on the row, which serialize across programs: ~50 us per launch on the H200, most
     # of a mid-size tensor's time.) Byte j and byte j + 128 hold the same |value|; its row bin
     # is its exponent field - 31 (nonzero finite values only), within the KN bins from K_LO for
-    # both formats. FPARTS bit 1 (benchmarks): without it, none.
+    # both formats. Without PART_HIST (timing only): none.
     bins = tl.arange(0, HBINS)
-    if (FPARTS & 2) == 0:
+    if (PART_HIST & PARTS) == 0:
         return tl.zeros([HBINS], dtype=tl.int32)
     hm = tl.sum(tl.reshape(h, [2, 128]), 0)
-    xm = _decode_fp8(tl.arange(0, 128), FP8 == 2)
-    um = xm.to(tl.int32, bitcast=True) & _MAXI
-    km = tl.where((um < _INF) & (um != 0), (um >> 23) - 31 - K_LO, -1)
+    xm = _decode_fp8(tl.arange(0, 128), ENC == Enc.E5M2)
+    um = xm.to(tl.int32, bitcast=True) & ABS_MASK
+    km = tl.where((um < INF_BITS) & (um != 0), (um >> 23) - 31 - K_LO, -1)
     w = tl.arange(0, KN)
     hw = tl.sum(tl.where(w[:, None] == km[None, :], hm[None, :], 0), 1)
     inside = (bins >= K_LO) & (bins < K_LO + KN)
@@ -79,14 +82,14 @@ def _count_bytes(cur, h, table, U: tl.constexpr, T: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8: tl.constexpr,
+def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, ENC: tl.constexpr,
                U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
-               PREF: tl.constexpr = 0, FPARTS: tl.constexpr = 3):
+               PREF: tl.constexpr, PARTS: tl.constexpr = ALL_PARTS):
     # Returns the row's scalar fields as a 32-vector and the row's histogram (HBINS counts).
     # LANE: the shared-memory lane histogram (GPU) instead of tl.histogram. PREF (GPU): L2
-    # prefetch, tiles ahead. FPARTS (benchmarks only, timing the epilogue; the row is wrong
-    # without both): bit 0 the scalar fields, bit 1 the histogram. krow: the row's shift (the
-    # shifted sums are taken at it directly, from the byte values).
+    # prefetch, tiles ahead. krow: the row's shift (the shifted sums are taken at it directly,
+    # from the byte values). PARTS (timing only, kernels/_timing.py; the row is wrong without
+    # ALL_PARTS): PART_COUNTS the scalar fields, PART_HIST the histogram.
     TILE: tl.constexpr = U * T * V
     b = tl.arange(0, 256)
     h = tl.zeros([256], dtype=tl.int32)
@@ -109,19 +112,19 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8: tl.constexpr,
         h = _lane_hist_read(b)
     idx = tl.arange(0, 32)
     v = tl.zeros([32], dtype=tl.float64)
-    if (FPARTS & 1) == 0:
-        v = _put(v, idx, 1, _count(h, b == 1))  # keeps the loop's counts alive
-        return v, _row_hist(h, FP8, FPARTS)
-    x = _decode_fp8(b, FP8 == 2)  # the value of each byte
+    if (PART_COUNTS & PARTS) == 0:
+        v = _put(v, idx, Row.NAN, _count(h, b == 1))  # keeps the loop's counts alive
+        return v, _row_hist(h, ENC, PARTS)
+    x = _decode_fp8(b, ENC == Enc.E5M2)  # the value of each byte
     bits = x.to(tl.int32, bitcast=True)
-    u = bits & _MAXI
-    fin = u < _INF
+    u = bits & ABS_MASK
+    fin = u < INF_BITS
     nz = fin & (u != 0)
     present = h > 0
     hf = h.to(tl.float64)
     x64 = tl.where(fin, x, 0.0).to(tl.float64)
     dk = tl.where(fin, x.to(tl.float64) - krow, 0.0)
-    fbits = tl.where(u > _INF, 0x7FC00000, bits)  # canonical NaN, as in the reference
+    fbits = tl.where(u > INF_BITS, CANONICAL_NAN, bits)  # canonical NaN, as in the reference
     h64 = h.to(tl.int64)
     # one block-wide reduction for the extrema, sums and fingerprint, one for every count (each
     # is a barrier and a shared-memory round trip, in a chain the program ends on)
@@ -133,27 +136,32 @@ def _fp8_tiles(x_ptr, scale, n_full, pid, nprog, lanes, krow, FP8: tl.constexpr,
         _fold)
     # y = |x * scale| in float32, as the reference computes it; zeros stay out of the format
     # counts (0 * inf is NaN, whose bits pass every threshold)
-    yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & _MAXI
-    sel = (_bit(u > _INF, 1) | _bit(bits == _INF, 2) | _bit(bits == _NEGINF, 3)
-           | _bit(fin & (u == 0), 4)
-           | _bit(nz & (yu > TM4), O_E4) | _bit(nz & (yu <= TH4), O_E4 + 1)
-           | _bit(nz & (yu > TH4) & (yu <= TS4), O_E4 + 2)
-           | _bit(nz & (yu > TM5), O_E5) | _bit(nz & (yu <= TH5), O_E5 + 1)
-           | _bit(nz & (yu > TH5) & (yu <= TS5), O_E5 + 2)
-           | _bit(nz & (yu > TM6), O_F16) | _bit(nz & (yu <= TH6), O_F16 + 1)
-           | _bit(nz & (yu > TH6) & (yu <= TS6), O_F16 + 2))
+    yu = tl.abs(x * scale).to(tl.int32, bitcast=True) & ABS_MASK
+    # bit k of sel: the byte value counts in the row's field k
+    sel = (_bit(u > INF_BITS, Row.NAN) | _bit(bits == INF_BITS, Row.POSINF)
+           | _bit(bits == NEG_INF_BITS, Row.NEGINF) | _bit(fin & (u == 0), Row.ZEROS)
+           | _bit(nz & (yu > E4M3_MAX_BITS), Row.E4M3_OVERFLOW)
+           | _bit(nz & (yu <= E4M3_UNDERFLOW_BITS), Row.E4M3_UNDERFLOW)
+           | _bit(nz & (yu > E4M3_UNDERFLOW_BITS) & (yu <= E4M3_NORMAL_BITS), Row.E4M3_SUBNORMAL)
+           | _bit(nz & (yu > E5M2_MAX_BITS), Row.E5M2_OVERFLOW)
+           | _bit(nz & (yu <= E5M2_UNDERFLOW_BITS), Row.E5M2_UNDERFLOW)
+           | _bit(nz & (yu > E5M2_UNDERFLOW_BITS) & (yu <= E5M2_NORMAL_BITS), Row.E5M2_SUBNORMAL)
+           | _bit(nz & (yu > FP16_MAX_BITS), Row.FP16_OVERFLOW)
+           | _bit(nz & (yu <= FP16_UNDERFLOW_BITS), Row.FP16_UNDERFLOW)
+           | _bit(nz & (yu > FP16_UNDERFLOW_BITS) & (yu <= FP16_NORMAL_BITS), Row.FP16_SUBNORMAL))
     cnt = tl.sum(_bit_rows(sel) * h[None, :], 1)  # int32: a program reads < 2^31
-    counted = ((idx >= 1) & (idx <= 4)) | ((idx >= O_E4) & (idx < O_F16 + 3))
+    counted = (((idx >= Row.NAN) & (idx <= Row.ZEROS))
+               | ((idx >= Row.E4M3_OVERFLOW) & (idx < Row.FP16_SUBNORMAL + 1)))
     v = tl.where(counted, cnt.to(tl.float64), 0.0)
-    v = _put(v, idx, 0, tl.where(pid == 0, n_full, 0))
-    v = _put(v, idx, S_MIN, mn)
-    v = _put(v, idx, S_MAX, mx)
-    v = _put(v, idx, S_AMAX, amx)
-    v = _put(v, idx, S_AMIN, amn)
-    v = _put(v, idx, S_SUM, s1)
-    v = _put(v, idx, S_SUMSQ, s2)
-    v = _put(v, idx, S_BLO, blo)
-    v = _put(v, idx, S_BHI, bhi)
-    v = _put(v, idx, S_SSUM, sk1)
-    v = _put(v, idx, S_SSQ, sk2)
-    return v, _row_hist(h, FP8, FPARTS)  # last: fewer registers live (80 against 95)
+    v = _put(v, idx, Row.NUMEL, tl.where(pid == 0, n_full, 0))
+    v = _put(v, idx, Row.MIN, mn)
+    v = _put(v, idx, Row.MAX, mx)
+    v = _put(v, idx, Row.ABSMAX, amx)
+    v = _put(v, idx, Row.ABSMIN_NZ, amn)
+    v = _put(v, idx, Row.SUM, s1)
+    v = _put(v, idx, Row.SUMSQ, s2)
+    v = _put(v, idx, Row.BITS_LO, blo)
+    v = _put(v, idx, Row.BITS_HI, bhi)
+    v = _put(v, idx, Row.SHIFT_SUM, sk1)
+    v = _put(v, idx, Row.SHIFT_SUMSQ, sk2)
+    return v, _row_hist(h, ENC, PARTS)  # last: fewer registers live (80 against 95)

@@ -15,25 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ..stats.layout import N_STATS
+from .constants import ALL_PARTS, ENCODING, HBINS, N_ROW, Enc, Row
 from .launch import FastLaunch
-from .stats_multi import _ELT as _MULTI_ELT, _device_table
-from .stats_tile import _careful_tiles, tile_shape
 from .row_ops import _claim_shift, _emit_scalars, _load_shift
-from .stats_triton import (PREFETCH_AHEAD, _interpreting, _sm_count, prefetch_tiles,
-                           register_cap, tile_programs)
+from .stats_multi import _device_table
+from .stats_tile import _careful_tiles
 from .tile_fast import _fast_tiles
-from .tile_ops import HBINS, O_HIST
-
-ROW = tl.constexpr(N_STATS)
-# how a program reads its tensor: stats_multi's codes (0 float32, 1 float16, 3 bf16 bits)
-_ELT = {d: _MULTI_ELT[d] for d in (torch.float32, torch.float16, torch.bfloat16)}
+from .tuning import (PREFETCH_AHEAD, interpreting, prefetch_tiles, register_cap, sm_count,
+                     tile_programs, tile_shape)
 
 
 @triton.jit
-def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.constexpr,
-                       T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
+def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ENC: tl.constexpr, HALF: tl.constexpr,
+                       U: tl.constexpr, T: tl.constexpr, V: tl.constexpr, LANE: tl.constexpr,
                        WORDS: tl.constexpr, PREF: tl.constexpr):
+    # the tensors of one dtype (constants.Encoding ENC, FLOAT or BF16; HALF: float16 rather
+    # than float32); LANE, WORDS, PREF as in stats_tile._tile_stats_kernel
     g = tl.program_id(0)
     k = tl.load(prog_ptr + 2 * g)
     pid = tl.load(prog_ptr + 2 * g + 1)
@@ -41,33 +38,32 @@ def _multi_tile_kernel(table_ptr, prog_ptr, rows_ptr, ELT: tl.constexpr, U: tl.c
     n_full = tl.load(table_ptr + 4 * k + 1)
     slot = tl.load(table_ptr + 4 * k + 2)
     nprog = tl.load(table_ptr + 4 * k + 3).to(tl.int32)
-    if ELT == 0:
+    if ENC == Enc.FLOAT and not HALF:
         x_ptr = addr.to(tl.pointer_type(tl.float32))
-    elif ELT == 1:
+    elif ENC == Enc.FLOAT:
         x_ptr = addr.to(tl.pointer_type(tl.float16))
     else:
         x_ptr = addr.to(tl.pointer_type(tl.int16))
     # 16-byte aligned (dispatch.tileable): vector loads. The hint must follow a cast made here:
     # on the result of a helper's cast (stats_multi has the same four lines) it is lost
     x_ptr = tl.multiple_of(x_ptr, 16)
-    FP8: tl.constexpr = 3 if ELT == 3 else 0
-    out_ptr = rows_ptr + slot * ROW
+    out_ptr = rows_ptr + slot * N_ROW
     lanes = tl.arange(0, U * T * V)
     hc0 = tl.zeros([T], dtype=tl.int32)  # the careful pass's ballot counts: off here
     hc1 = hc0
     e0 = pid * 0
     # the shift: the tensor's first element (its full tiles start there; its tail, in
     # stats_multi's launch, loads the same element)
-    kp = _load_shift(x_ptr, FP8)
+    kp = _load_shift(x_ptr, ENC)
     krow = _claim_shift(out_ptr, kp)
-    clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, FP8, U, T, V, False,
-                                 LANE, WORDS, 3, PREF)
-    if clean == 0:
+    clean, v, hist = _fast_tiles(x_ptr, n_full, pid, nprog, lanes, kp, krow, ENC, U, T, V, LANE,
+                                 WORDS, PREF, False, ALL_PARTS)
+    if clean == 0:  # scale 1, no warp-vote histogram
         v, hist, hc0, hc1, e0 = _careful_tiles(x_ptr, 1.0, n_full, pid, nprog, lanes, kp, krow,
-                                               FP8, False, U, T, V, False, 3, 0, PREF)
+                                               ENC, False, U, T, V, False, PREF, False, ALL_PARTS)
     _emit_scalars(out_ptr, tl.arange(0, 32), v)
     bins = tl.arange(0, HBINS)
-    tl.atomic_add(out_ptr + O_HIST + bins, hist.to(tl.float64), mask=hist != 0,
+    tl.atomic_add(out_ptr + Row.HIST + bins, hist.to(tl.float64), mask=hist != 0,
                   sem="relaxed")
 
 
@@ -85,10 +81,10 @@ class TileManyLaunch:
     def __init__(self, flats: list, slots: list, device: torch.device,
                  per_prog: "int | None" = None):
         dtype = flats[0].dtype
-        self.cuda = device.type == "cuda" and not _interpreting()
+        self.cuda = device.type == "cuda" and not interpreting()
         u, t, v = self.shape = tile_shape(dtype.itemsize, not self.cuda)
         tile = u * t * v
-        sms = _sm_count(device.index) if self.cuda else 1
+        sms = sm_count(device.index) if self.cuda else 1
         self.device = device
         table, progs = [], []
         for k, (f, s) in enumerate(zip(flats, slots)):
@@ -105,7 +101,8 @@ class TileManyLaunch:
             device, non_blocking=True)
         self.grid = len(progs) // 2
         words = dtype == torch.bfloat16 and all(f.data_ptr() % 4 == 0 for f in flats)
-        self.consts = dict(ELT=_ELT[dtype], U=u, T=t, V=v, LANE=self.cuda, WORDS=words,
+        self.consts = dict(ENC=int(ENCODING[dtype]), HALF=dtype == torch.float16, U=u, T=t, V=v,
+                           LANE=self.cuda, WORDS=words,
                            PREF=prefetch_tiles(device.index, PREFETCH_AHEAD[words])
                            if self.cuda else 0)
         self.opts = {"maxnreg": register_cap(dtype == torch.bfloat16)} if self.cuda else {}
@@ -129,7 +126,7 @@ class TileManyLaunch:
 
 def full_tiles(t: torch.Tensor) -> int:
     """Elements of the flat tensor t that lie in full tiles of the tile kernel."""
-    u, tt, v = tile_shape(t.element_size(), t.device.type != "cuda" or _interpreting())
+    u, tt, v = tile_shape(t.element_size(), t.device.type != "cuda" or interpreting())
     return t.numel() - t.numel() % (u * tt * v)
 
 
