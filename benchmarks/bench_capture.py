@@ -10,7 +10,7 @@ batch 16, bf16 autocast, fused AdamW; bench_overhead's smoke shapes with --smoke
 Measures, in one run:
 - one snapshot (`Snapshotter.take`: parameters, buffers and AdamW state copied into a ring slot,
   RNG states, batch reference): host time, and on CUDA the device time between two events;
-- memory held by the ring (capture_ring=2) next to the model's and optimizer's own; gpt2: also
+- memory held by the ring (capture.ring=2) next to the model's and optimizer's own; gpt2: also
   next to the peak memory of a training step (CUDA), and each configuration's peak;
 - writing one bundle (safetensors + manifest + checksums, fsync'd);
 - demo ms/step with capture off / on, every step sampled (a snapshot every step) and with the
@@ -149,8 +149,8 @@ def main(argv=None) -> list:
             run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
         for r in range(a.repeats):   # interleaved, so that drift in machine load hits all alike
             for name, cfg in CONFIGS.items():
-                if cfg.capture:  # --target applies to the monitored runs too
-                    cfg = dataclasses.replace(cfg, capture_snapshot_to=target)
+                if cfg.capture.triggers:  # --target applies to the monitored runs too
+                    cfg = cfg.replace(capture={"snapshot_to": target})
                 ms, peak = run(cfg, f"{tmp}/{r}-{len(times[name])}")
                 times[name].append(ms)
                 peaks[name].append(peak)

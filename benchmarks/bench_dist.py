@@ -7,9 +7,9 @@ A stack of MLP blocks under DDP (bf16 autocast on CUDA, AdamW), every tensor rol
 step (`every=1`, the worst case for the flush payload). Configurations, measured in one job
 and interleaved:
 - no monitor;
-- per-rank, no exchange (dist_mode="per_rank", dist_divergence=False): no collective at all;
+- per-rank, no exchange (dist.mode="per_rank", dist.divergence=False): no collective at all;
 - rank0 via a gloo side group (the default), flush every step / every 10 steps;
-- rank0 via the job's own group (dist_backend="default": NCCL on the GPU).
+- rank0 via the job's own group (dist.backend="default": NCCL on the GPU).
 Reported on rank 0: median ms/step, overhead against the monitor without collectives, mean
 time of one flush (pack + collective + merge) and of its collective alone, bytes per rank.
 Writes bench_dist.csv and bench_dist.md to --out; prints the markdown table last.
@@ -38,10 +38,11 @@ def configs(smoke: bool) -> dict:
         r for r in sw.Role if r is not sw.Role.INPUT))
     out = {
         "no monitor": None,
-        "per-rank, no collective": sw.Config(**base, dist_mode="per_rank", dist_divergence=False),
+        "per-rank, no collective": sw.Config(**base, dist={"mode": "per_rank",
+                                                           "divergence": False}),
         "rank0, gloo side group, flush every step": sw.Config(**base),
-        "rank0, gloo side group, flush every 10": sw.Config(**base, dist_flush_every=10),
-        "rank0, job group (nccl), flush every step": sw.Config(**base, dist_backend="default"),
+        "rank0, gloo side group, flush every 10": sw.Config(**base, dist={"flush_every": 10}),
+        "rank0, job group (nccl), flush every step": sw.Config(**base, dist={"backend": "default"}),
     }
     return out
 

@@ -33,7 +33,7 @@ def test_sink_whose_log_hangs_loses_nothing_of_the_others(tmp_path, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
             mon, times = train(tmp_path, ("jsonl", "console", hung, counting), steps=60,
-                               step_bound=STEP_BOUND, sink_timeout=0.5, sink_close_timeout=2.0)
+                               step_bound=STEP_BOUND, sinks={"timeout": 0.5, "close_timeout": 2.0})
             t0 = time.perf_counter()
             mon.close()
             closing = time.perf_counter() - t0
@@ -63,7 +63,7 @@ def test_full_queue_of_a_slow_sink_makes_no_step_wait(tmp_path, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
             mon, times = train(tmp_path, ("jsonl", "console", slow, counting), steps=30,
-                               step_bound=STEP_BOUND, queue_size=8, sink_timeout=60.0)
+                               step_bound=STEP_BOUND, sinks={"queue_size": 8, "timeout": 60.0})
             assert slow.entered.is_set() and max(times) < STEP_BOUND
             slow.gate.set()          # the sink catches up: close() drains its queues
             mon.close()
@@ -104,7 +104,7 @@ def test_sink_stuck_in_close_is_abandoned_within_the_bound(tmp_path, caplog):
     stuck = GatedSink("stuck", "close")
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
-            mon, _ = train(tmp_path, ("jsonl", stuck), steps=10, sink_close_timeout=1.0)
+            mon, _ = train(tmp_path, ("jsonl", stuck), steps=10, sinks={"close_timeout": 1.0})
             t0 = time.perf_counter()
             mon.close()
             closing = time.perf_counter() - t0

@@ -38,13 +38,13 @@ class CaptureManager:
     def __init__(self, monitor: Any):
         cfg = monitor.config
         self.mon = monitor
-        self.triggers = triggers(cfg.capture)
-        self.policy = cfg.capture_snapshot
-        root = Path(cfg.capture_dir)
+        self.triggers = triggers(cfg.capture.triggers)
+        self.policy = cfg.capture.snapshot
+        root = Path(cfg.capture.dir)
         self.root = root if root.is_absolute() else monitor.run_dir / root
-        self.store = Store(self.root, cfg.capture_max, cfg.capture_max_bytes, cfg.capture_retention)
-        self.snap = Snapshotter(monitor.model, monitor.optimizer, ring=cfg.capture_ring,
-                                target=cfg.capture_snapshot_to)
+        self.store = Store(self.root, cfg.capture.max, cfg.capture.max_bytes, cfg.capture.retention)
+        self.snap = Snapshotter(monitor.model, monitor.optimizer, ring=cfg.capture.ring,
+                                target=cfg.capture.snapshot_to)
         self.written: list[Path] = []
         self._begun: list[tuple[int, int]] = []   # (step, seq) of recent step starts
         self._seq = 0
@@ -90,10 +90,10 @@ class CaptureManager:
         if slot is None:
             why = ("snapshots are switched off" if self.snap.disabled or
                    self.policy is SnapshotPolicy.OFF else
-                   "its start-of-step state was not kept (capture_snapshot='sampled' keeps it on "
+                   "its start-of-step state was not kept (capture.snapshot='sampled' keeps it on "
                    "sampled steps only; 'every' keeps it on every step)"
                    if self.policy is SnapshotPolicy.SAMPLED else
-                   "every snapshot slot was still held (raise capture_ring)")
+                   "every snapshot slot was still held (raise capture.ring)")
             if not self.store.full:
                 self._warn("noslot", f"step {frame.step} not captured: {why}")
             return None

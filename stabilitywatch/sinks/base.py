@@ -3,7 +3,7 @@
 A sink receives stats records (dicts: schema, step, rank, world_size, module, tensor, stats) and
 Alert objects, on a thread of its own (runner.py): its methods are never called from two threads
 at once, and never from the training thread. A plug-in sink is any subclass, passed as an entry
-of Config.sinks. A call that raises (anything) or does not return within Config.sink_timeout
+of Config.sinks.use. A call that raises (anything) or does not return within Config.sinks.timeout
 switches the sink off with one warning; training never waits for it.
 """
 from __future__ import annotations
