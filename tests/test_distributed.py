@@ -29,7 +29,7 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 
 SCENARIOS = [
     ("ddp", "ddp_bitflip", {}),
-    ("ddp_per_rank", "ddp_bitflip", {"dist": {"mode": "per_rank"}}),
+    ("ddp_per_rank", "ddp_bitflip", {"dist_mode": "per_rank"}),
     ("nan", "nan_one_rank", {}),
     ("fsdp2", "fsdp2", {}),
     ("dtensor", "dtensor_by_hand", {}),
