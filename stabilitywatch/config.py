@@ -237,17 +237,16 @@ def _config_init(self, **kw: Any) -> None:
     _dataclass_init(self, **_resolve(kw, None))
 
 
-_config_init.__doc__ = Config.__init__.__doc__
-_config_init.__wrapped__ = _dataclass_init
+_config_init.__wrapped__ = _dataclass_init  # help() and inspect show the fields
 Config.__init__ = _config_init
 
 
-def _resolve(kw: Mapping[str, Any], base: Optional[Config], stacklevel: int = 4) -> dict:
+def _resolve(kw: Mapping[str, Any], base: Optional[Config]) -> dict:
     """Keyword arguments with every sub-config resolved: flat names folded into their group
     (with a DeprecationWarning), mappings and list shorthands turned into sub-configs built on
     `base`'s (the defaults when None)."""
     try:
-        direct, nested = split_flat(kw, _FIELDS, stacklevel=stacklevel)
+        direct, nested = split_flat(kw, _FIELDS)
     except ValueError as e:
         raise UnknownFieldError(str(e)) from None
     for group in set(nested) | {g for g in direct if g in SUBCONFIGS}:

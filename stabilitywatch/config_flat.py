@@ -5,6 +5,7 @@ flat config-file keys into sub-config values with a DeprecationWarning.
 It imports nothing from the package but config_base (config.py imports it)."""
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Mapping
 
@@ -60,8 +61,8 @@ def _dropped(flat: str, value: Any) -> bool:
     return flat == "wandb_stats" and not value
 
 
-def split_flat(kw: Mapping[str, Any], known: tuple[str, ...], where: str = "Config",
-               warn: bool = True, stacklevel: int = 3) -> tuple[dict, dict]:
+def split_flat(kw: Mapping[str, Any], known: tuple[str, ...],
+               where: str = "Config") -> tuple[dict, dict]:
     """(the keys that are fields, {group: {field: value}} from the flat keys). An unknown key
     raises ValueError with the closest spelling; a flat key warns, naming its new spelling."""
     direct: dict[str, Any] = {}
@@ -73,15 +74,23 @@ def split_flat(kw: Mapping[str, Any], known: tuple[str, ...], where: str = "Conf
         new = FLAT_NAMES.get(k)
         if new is None:
             raise ValueError(f"unknown {where} field {k!r}{suggest(k, known)}")
-        if warn:
-            group, _, sub = new.partition(".")
-            warnings.warn(f"{where} field {k!r} is deprecated: use {new!r} (Config({group}="
-                          f"{_class(group)}({sub}=...)), or key {sub!r} in the [{group}] table "
-                          f"of a config file)", DeprecationWarning, stacklevel=stacklevel)
+        group, _, sub = new.partition(".")
+        warnings.warn(f"{where} field {k!r} is deprecated: use {new!r} (Config({group}="
+                      f"{_class(group)}({sub}=...)), or key {sub!r} in the [{group}] table of a "
+                      f"config file)", DeprecationWarning, stacklevel=_user_level())
         if not _dropped(k, v):
             group, _, sub = new.partition(".")
             nested.setdefault(group, {})[sub] = v
     return direct, nested
+
+
+def _user_level() -> int:
+    """The stacklevel of the first frame outside the config modules (and the __init__ that
+    dataclasses generates in them): the line that used the flat name."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_globals.get("__name__", "").startswith("stabilitywatch.config"):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def suggest(word: str, known: tuple[str, ...]) -> str:

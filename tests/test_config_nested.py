@@ -121,6 +121,14 @@ def test_flat_names_merge_with_nested_values_and_into_replace():
         assert Config.preset("debug", alert_cooldown=7).incidents.cooldown == 7
 
 
+def test_the_warning_points_at_the_line_that_used_the_flat_name():
+    with pytest.warns(DeprecationWarning) as rec:
+        Config(drift_window=80)
+        Config.preset("debug", alert_cooldown=7)
+        Config().replace(queue_size=3)
+    assert [w.filename for w in rec] == [__file__] * 3
+
+
 def test_flat_map_names_every_nested_field_once():
     nested = {f"{g}.{f.name}" for g, cls in SUBCONFIGS.items() for f in dataclasses.fields(cls)}
     targets = set(FLAT_NAMES.values())
