@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
-from .config_base import FrozenMap, build, check_bool, check_strings, did_you_mean
+from .config_base import (FrozenMap, UnknownFieldError, build, check_bool, check_strings,
+                          did_you_mean)
 from .config_capture import CaptureConfig
 from .config_detectors import DETECTOR_NAMES, DriftConfig, ShadowConfig, SpikeConfig
 from .config_distributed import DistBackend, DistConfig, DistMode  # noqa: F401 (public)
@@ -39,10 +40,6 @@ class Backend(str, enum.Enum):
     AUTO = "auto"          # Triton kernel on CUDA tensors, pure torch elsewhere
     TRITON = "triton"
     TORCH = "torch"
-
-
-class UnknownFieldError(TypeError, ValueError):
-    """A name Config does not know (a ValueError, and a TypeError like any unknown keyword)."""
 
 
 DEFAULT_ROLES = (Role.OUTPUT, Role.GRAD_OUTPUT, Role.WEIGHT, Role.GRAD, Role.OPTIM, Role.LOSS)
@@ -245,10 +242,7 @@ def _resolve(kw: Mapping[str, Any], base: Optional[Config]) -> dict:
     """Keyword arguments with every sub-config resolved: flat names folded into their group
     (with a DeprecationWarning), mappings and list shorthands turned into sub-configs built on
     `base`'s (the defaults when None)."""
-    try:
-        direct, nested = split_flat(kw, _FIELDS)
-    except ValueError as e:
-        raise UnknownFieldError(str(e)) from None
+    direct, nested = split_flat(kw, _FIELDS)
     for group in set(nested) | {g for g in direct if g in SUBCONFIGS}:
         sub = getattr(base, group) if base is not None else None
         if group in direct:
@@ -268,12 +262,7 @@ def _subconfig(group: str, v: Any, base: Any):
     if group in SHORTHAND and isinstance(v, (str, tuple, list)):
         return build(cls, {SHORTHAND[group]: v}, group, base)
     if isinstance(v, Mapping):
-        try:
-            return build(cls, v, group, base)
-        except ValueError as e:
-            if str(e).startswith("unknown field"):
-                raise UnknownFieldError(str(e)) from None
-            raise
+        return build(cls, v, group, base)
     short = f", or a list (its {SHORTHAND[group]})" if group in SHORTHAND else ""
     raise ValueError(f"Config.{group} must be a {cls.__name__}, a mapping of its fields{short}; "
                      f"got {v!r}")

@@ -11,6 +11,10 @@ import math
 from typing import Any, Iterable, Iterator, Mapping
 
 
+class UnknownFieldError(TypeError, ValueError):
+    """A name Config does not know (a ValueError, and a TypeError like any unknown keyword)."""
+
+
 class FrozenMap(Mapping):
     """A read-only mapping that hashes, so that a Config holding one hashes too; it compares
     equal to a dict with the same items."""
@@ -65,8 +69,8 @@ def build(cls, data: Mapping[str, Any], where: str, base: Any = None):
         if k not in known:
             close = difflib.get_close_matches(str(k), known, n=1)
             hint = f"; did you mean '{where}.{close[0]}'?" if close else ""
-            raise ValueError(f"unknown field '{where}.{k}'{hint} ({cls.__name__} has: "
-                             f"{', '.join(known)})")
+            raise UnknownFieldError(f"unknown field '{where}.{k}'{hint} ({cls.__name__} has: "
+                                    f"{', '.join(known)})")
     if base is None:
         return cls(**data)
     return dataclasses.replace(base, **data)

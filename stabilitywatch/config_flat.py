@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Any, Mapping
 
-from .config_base import did_you_mean
+from .config_base import UnknownFieldError, did_you_mean
 
 # flat name -> "group.field". A flat name whose value needs translating is in _TRANSLATE.
 FLAT_NAMES: dict[str, str] = {
@@ -64,7 +64,8 @@ def _dropped(flat: str, value: Any) -> bool:
 def split_flat(kw: Mapping[str, Any], known: tuple[str, ...],
                where: str = "Config") -> tuple[dict, dict]:
     """(the keys that are fields, {group: {field: value}} from the flat keys). An unknown key
-    raises ValueError with the closest spelling; a flat key warns, naming its new spelling."""
+    raises UnknownFieldError with the closest spelling; a flat key warns, naming its new
+    spelling."""
     direct: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {}
     for k, v in kw.items():
@@ -73,7 +74,7 @@ def split_flat(kw: Mapping[str, Any], known: tuple[str, ...],
             continue
         new = FLAT_NAMES.get(k)
         if new is None:
-            raise ValueError(f"unknown {where} field {k!r}{suggest(k, known)}")
+            raise UnknownFieldError(f"unknown {where} field {k!r}{suggest(k, known)}")
         group, _, sub = new.partition(".")
         warnings.warn(f"{where} field {k!r} is deprecated: use {new!r} (Config({group}="
                       f"{_class(group)}({sub}=...)), or key {sub!r} in the [{group}] table of a "
