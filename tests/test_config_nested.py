@@ -258,3 +258,18 @@ def test_config_json_round_trip_and_older_flat_bundles():
 def test_run_config_writes_sub_configs_as_tables():
     out = json.loads(json.dumps(run_config(Config(drift={"window": 80}), 0, 1)))
     assert out["drift"]["window"] == 80 and out["sinks"]["use"] == ["jsonl", "console"]
+
+
+def test_rename_tool_rewrites_reads_of_flat_names():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "config_rename.py"
+    spec = importlib.util.spec_from_file_location("config_rename", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    src = ("w = Window(cfg.drift_window)\nn = self.config.alert_cooldown\n"
+           "q = self.queue_size\nif config.capture:\n")
+    out = tool.rename(src, FLAT_NAMES)
+    assert out == ("w = Window(cfg.drift.window)\nn = self.config.incidents.cooldown\n"
+                   "q = self.queue_size\nif config.capture:\n")
+    assert tool.by_hand(out) == [4]
