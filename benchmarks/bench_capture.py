@@ -15,10 +15,10 @@ Measures, in one run:
   what a guarded incident costs once): wall time, to host memory;
 - one snapshot of the "sampled"/"every" policies (`Snapshotter.take`: parameters, buffers and
   AdamW state copied into a ring slot): host time, and on CUDA the device time between two events;
-- memory held by the ring (capture_ring=2) next to the model's and optimizer's own; gpt2: also
+- memory held by the ring (capture.ring=2) next to the model's and optimizer's own; gpt2: also
   next to the peak memory of a training step (CUDA), and each configuration's peak;
 - writing one bundle (safetensors + manifest + checksums, fsync'd);
-- ms/step with capture off, the default policy and capture_snapshot="sampled", every step sampled
+- ms/step with capture off, the default policy and capture.snapshot="sampled", every step sampled
   and at the default cadence (every 10), interleaved, median of repeats (demo); gpt2: mean
   ms/step over --steps (30) steps after bench_overhead's warm-up steps (10).
 Prints a markdown table last. No fault is injected (fault step past the end).
@@ -127,12 +127,12 @@ def snapshot_cost(device: str, takes: int, target: SnapshotTarget, setup=demo_se
 CONFIGS = {
     "every step, capture off": Config(every=1, sinks=("jsonl",), capture=()),
     "every step, default capture (auto)": Config(every=1, sinks=("jsonl",)),
-    "every step, capture_snapshot='sampled' (snapshot every step)":
-        Config(every=1, sinks=("jsonl",), capture_snapshot="sampled"),
+    "every step, capture.snapshot='sampled' (snapshot every step)":
+        Config(every=1, sinks=("jsonl",), capture={"snapshot": "sampled"}),
     "default cadence (every 10), capture off": Config(sinks=("jsonl",), capture=()),
     "default cadence (every 10), default capture (auto)": Config(sinks=("jsonl",)),
-    "default cadence (every 10), capture_snapshot='sampled'":
-        Config(sinks=("jsonl",), capture_snapshot="sampled"),
+    "default cadence (every 10), capture.snapshot='sampled'":
+        Config(sinks=("jsonl",), capture={"snapshot": "sampled"}),
 }
 OFF = 3   # each cadence's rows: capture off, then the two policies
 
@@ -172,8 +172,8 @@ def main(argv=None) -> list:
             run_demo(f"{tmp}/warm", device=a.device, steps=2, fault_step=10**9, monitor=False)
         for r in range(a.repeats):   # interleaved, so that drift in machine load hits all alike
             for k, (name, cfg) in enumerate(CONFIGS.items()):
-                if cfg.capture:  # --target applies to the monitored runs too
-                    cfg = dataclasses.replace(cfg, capture_snapshot_to=target)
+                if cfg.capture.triggers:  # --target applies to the monitored runs too
+                    cfg = cfg.replace(capture={"snapshot_to": target})
                 ms, peak = run(cfg, f"{tmp}/{r}-{k}")
                 times[name].append(ms)
                 peaks[name].append(peak)

@@ -7,10 +7,10 @@ A stack of MLP blocks under DDP (bf16 autocast on CUDA, AdamW), every tensor rol
 step (`every=1`, the worst case for the flush payload). Configurations, measured in one job
 and interleaved:
 - no monitor;
-- per-rank, no exchange (dist_mode="per_rank", dist_divergence=False): no collective at all;
+- per-rank, no exchange (dist.mode="per_rank", dist.divergence=False): no collective at all;
 - rank0 via a gloo side group (the default: merged by reduction), flush every step / every 10;
-- the same with dist_merge="gather" (one all-gather of every rank's rows);
-- rank0 via the job's own group (dist_backend="default": NCCL on the GPU).
+- the same with dist.merge="gather" (one all-gather of every rank's rows);
+- rank0 via the job's own group (dist.backend="default": NCCL on the GPU).
 Reported on rank 0: median ms/step, overhead against the monitor without collectives, mean
 time of one flush (pack + collectives + merge) and of its collectives alone, bytes each rank
 sends and receives per flush.
@@ -40,11 +40,12 @@ def configs(smoke: bool) -> dict:
         r for r in sw.Role if r is not sw.Role.INPUT))
     out = {
         "no monitor": None,
-        "per-rank, no collective": sw.Config(**base, dist_mode="per_rank", dist_divergence=False),
+        "per-rank, no collective": sw.Config(**base, dist={"mode": "per_rank",
+                                                           "divergence": False}),
         "rank0, gloo side group, flush every step": sw.Config(**base),
-        "rank0, gloo side group, flush every 10": sw.Config(**base, dist_flush_every=10),
-        "rank0, gloo, all-gather, flush every step": sw.Config(**base, dist_merge="gather"),
-        "rank0, job group (nccl), flush every step": sw.Config(**base, dist_backend="default"),
+        "rank0, gloo side group, flush every 10": sw.Config(**base, dist={"flush_every": 10}),
+        "rank0, gloo, all-gather, flush every step": sw.Config(**base, dist={"merge": "gather"}),
+        "rank0, job group (nccl), flush every step": sw.Config(**base, dist={"backend": "default"}),
     }
     return out
 

@@ -67,7 +67,7 @@ def full_coverage(snapshots: bool = True) -> sw.Config:
     return sw.Config(every=1, module_types=(nn.Linear,), sinks=("jsonl",),
                      roles=(sw.Role.OUTPUT, sw.Role.GRAD_OUTPUT, sw.Role.WEIGHT, sw.Role.GRAD,
                             sw.Role.LOSS),
-                     capture_snapshot="sampled" if snapshots else "off")
+                     capture={"snapshot": "sampled" if snapshots else "off"})
 
 
 def build(s: dict, device: str) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
@@ -119,10 +119,11 @@ def run(kind: str, s: dict, device: str, out: str) -> tuple[float, float, str]:
         mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), sentinel=False),
                        run_dir=out)
     elif kind == "default config without update stats":   # the optim.update rows' share
-        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), update_stats=False),
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), update={"stats": False}),
                        run_dir=out)
     elif kind == "default config with the guard":
-        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), on_nonfinite="skip"),
+        mon = sw.watch(model, opt, config=sw.Config(sinks=("jsonl",),
+                                                    guard={"on_nonfinite": "skip"}),
                        run_dir=out)
     elif kind == "full coverage, every step":
         mon = sw.watch(model, opt, config=full_coverage(), run_dir=out)

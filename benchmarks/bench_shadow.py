@@ -17,8 +17,8 @@ import time
 CONFIGS = {
     "stats every step, no shadow": {},
     "+ teacher-forced fp32 shadows (16 modules)": {"shadow_every": 1},
-    "+ whole-model fp32 shadow as well": {"shadow_every": 1, "shadow_model": True},
-    "+ teacher-forced fp64 shadows": {"shadow_every": 1, "shadow_dtype": "fp64"},
+    "+ whole-model fp32 shadow as well": {"shadow_every": 1, "shadow": {"model": True}},
+    "+ teacher-forced fp64 shadows": {"shadow_every": 1, "shadow": {"dtype": "fp64"}},
 }
 
 

@@ -1,6 +1,6 @@
 """How long training waits on the sinks per step, with a sink that never returns.
 
-A tiny MLP trained under a real Monitor (every=1, alert_cooldown=0, a NaN batch from step 20
+A tiny MLP trained under a real Monitor (every=1, incidents.cooldown=0, a NaN batch from step 20
 on: an alert every step), sinks jsonl + console + a plug-in sink whose log() hangs (and, second
 run, one that takes 50 ms per call). Measured on the training thread: the time spent inside
 the SinkRunner's log() and alert() per step (what the monitor hands the sinks), and the whole
@@ -43,8 +43,8 @@ def run(sink, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     sinks = ("jsonl", "console") + ((sink,) if sink is not None else ())
     with tempfile.TemporaryDirectory() as tmp:
-        mon = sw.watch(model, opt, config=sw.Config(every=1, alert_cooldown=0, capture=(),
-                                                    sinks=sinks, sink_timeout=2.0), run_dir=tmp)
+        mon = sw.watch(model, opt, config=sw.Config(every=1, incidents={"cooldown": 0}, capture=(),
+                                                    sinks=sw.SinkConfig(use=sinks, timeout=2.0)), run_dir=tmp)
         waited = [0.0]
 
         def timed(f):

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         _steps(model, opt, batch, None, 0, 5)
         rows = {"no monitor": _steps(model, opt, batch, None, 5, a.steps)}
         cfg = (full_coverage(snapshots=False) if a.config == "full"
-               else sw.Config(sinks=("jsonl",), capture_snapshot="off"))
+               else sw.Config(sinks=("jsonl",), capture={"snapshot": "off"}))
         with tempfile.TemporaryDirectory() as tmp:
             mon = sw.watch(model, opt, config=cfg, run_dir=tmp)
             _steps(model, opt, batch, mon, 0, 12)

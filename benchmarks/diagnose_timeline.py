@@ -130,8 +130,8 @@ CONFIGS = {"none": lambda: None, "default": lambda: sw.Config(sinks=("jsonl",)),
            "default-nosinks": lambda: sw.Config(sinks=()),
            "default-nocapture": lambda: sw.Config(sinks=("jsonl",), capture=()),
            "full": full_coverage, "full-nosnap": lambda: full_coverage(False),
-           "full-devsnap": lambda: dataclasses.replace(full_coverage(),
-                                                       capture_snapshot_to="device")}
+           "full-devsnap": lambda: full_coverage().replace(
+                                                       capture={"snapshot_to": "device"})}
 
 
 @contextlib.contextmanager

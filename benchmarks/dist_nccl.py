@@ -6,14 +6,14 @@ cross-rank reduction per step.
     python benchmarks/dist_nccl.py --smoke [--out DIR]    # 2 gloo processes, CPU, a tiny GPT-2
 
 Scenarios (each a fresh model, the same seed on both ranks, batches per rank):
-- nan/ddp, nan/fsdp2: `Config(on_nonfinite="skip", every=4)`; at step 5 (unsampled) rank 1
+- nan/ddp, nan/fsdp2: `Config(guard={"on_nonfinite": "skip"}, every=4)`; at step 5 (unsampled) rank 1
   writes a NaN into its gradient (its shard under FSDP2) of transformer.h.1.mlp.c_fc.weight
   before the optimizer step. Checked: both ranks' parameters are unchanged by step 5, DDP
   replicas are bit-identical at the end, rank 0's critical alert at step 5 names rank 1, the
   module and the role (FSDP2: and the shard's rows).
 - flip/ddp, flip/fsdp2: before step 3 rank 1 flips bit 30 (exponent) of one element of its copy
   (shard) of that weight. Checked: `divergence` names rank 1 under DDP, `physics` under FSDP2.
-- cost: DDP, interleaved: no monitor, `Config()`, `Config(on_nonfinite="skip")` (the guard's
+- cost: DDP, interleaved: no monitor, `Config()`, `Config(guard={"on_nonfinite": "skip"})` (the guard's
   flag all-reduced across ranks every step); median ms/step, and per step the host time of the
   flag's all-reduce call and the device time of the NCCL kernel (CUDA events around it).
 Prints a markdown table last; with --out writes dist_nccl.json and dist_nccl.md.
@@ -92,7 +92,7 @@ def scenario(kind: str, how: str, a, device, run_dir) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3,
                             fused=device.type == "cuda" and how == "ddp")
     if kind == "nan":
-        cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), on_nonfinite="skip")
+        cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), guard={"on_nonfinite": "skip"})
         at = 5
     else:
         cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=())
@@ -153,8 +153,8 @@ def cost(a, device, tmp) -> list:
     """ms/step and the flag's all-reduce, interleaved configurations."""
     rows = []
     cfgs = {"no monitor": None, "Config()": sw.Config(sinks=("jsonl",), capture=()),
-            "Config(on_nonfinite='skip')": sw.Config(sinks=("jsonl",), capture=(),
-                                                      on_nonfinite="skip")}
+            "Config(guard={'on_nonfinite': 'skip'})": sw.Config(sinks=("jsonl",), capture=(),
+                                                      guard={"on_nonfinite": "skip"})}
     for rep in range(a.repeats):
         for name, cfg in cfgs.items():
             model, vocab = gpt2(a.tiny, device)

@@ -1,5 +1,7 @@
-"""Configuration: one frozen, keyword-only dataclass, validated on construction, with presets
-and a TOML/YAML loader that maps onto the same fields."""
+"""Configuration: a frozen, keyword-only dataclass of what to read and when, holding one frozen
+sub-config per subsystem (drift, spike, shadow, range, update, incidents, capture, sinks, dist,
+guard); validated on construction, hashable, with presets and a TOML/YAML/JSON loader that maps
+nested tables onto the same dataclasses."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,15 +12,18 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
-from .capture import policy as _capture_policy
+from .config_base import (FrozenMap, UnknownFieldError, build, check_bool, check_strings,
+                          did_you_mean)
+from .config_capture import CaptureConfig
+from .config_detectors import DETECTOR_NAMES, DriftConfig, ShadowConfig, SpikeConfig
+from .config_extensions import check_detector_entries
+from .config_distributed import DistBackend, DistConfig, DistMode  # noqa: F401 (public)
+from .config_flat import FLAT_NAMES, GROUPS, SHORTHAND, split_flat, suggest
+from .config_incidents import IncidentConfig, RangeConfig, UpdateConfig
+from .config_sentinel import GuardConfig
+from .config_sinks import SINK_NAMES, SinkConfig  # noqa: F401 (SINK_NAMES: public)
 from .formats import ROW_FORMATS, Fmt
 from .stats.scale import FLT_MAX as _FLT_MAX, FLT_MIN as _FLT_MIN
-from .config_detectors import validate_detector_fields
-from .config_incidents import validate_incident_fields
-from .config_distributed import DistBackend, DistMerge, DistMode, validate_dist_fields
-from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
-from .config_dashboards import validate_dashboard_fields
-from .config_sentinel import validate_sentinel_fields
 
 
 class Role(str, enum.Enum):
@@ -39,6 +44,11 @@ class Backend(str, enum.Enum):
 
 
 DEFAULT_ROLES = (Role.OUTPUT, Role.GRAD_OUTPUT, Role.WEIGHT, Role.GRAD, Role.OPTIM, Role.LOSS)
+SUBCONFIGS = {"drift": DriftConfig, "spike": SpikeConfig, "shadow": ShadowConfig,
+              "range": RangeConfig, "update": UpdateConfig, "incidents": IncidentConfig,
+              "capture": CaptureConfig, "sinks": SinkConfig, "dist": DistConfig,
+              "guard": GuardConfig}
+assert tuple(SUBCONFIGS) == GROUPS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,337 +68,130 @@ class Config:
     """Statistics cadence: sample steps where step % every == 0 (the loss is read every step)."""
     warmup: int = 10
     """Steps 0..warmup-1 are all sampled, whatever `every` says."""
-    role_every: Mapping[str, int] = field(default_factory=dict)
+    role_every: Mapping[str, int] = FrozenMap()
     """Per-role cadence overriding `every`, e.g. {"optim": 100}."""
     shadow_every: int = 0
     """Higher-precision shadow replicas on every N-th sampled step (0 = off): the modules of
-    `shadow_modules` are re-run in `shadow_dtype` on the same inputs (see stabilitywatch/shadow)."""
-    # -- detectors (drift, spike, shadow): README "Detectors and their defaults"; checked in
-    # config_detectors.py. Defaults keep a healthy run free of warnings.
+    `shadow.modules` are re-run in `shadow.dtype` on the same inputs (see stabilitywatch/shadow)."""
+    escalate_steps: int = 20
+    """A tripped sentinel or a warning-or-worse alert switches the next this-many steps to full
+    sampling (every role); 0 = off. Multi-rank runs escalate on the cross-rank sentinel flag."""
+    sentinel: bool = True
+    """Every step, before the optimizer step, read every watched parameter gradient once (one
+    multi-tensor launch): its NaN/Inf count, largest finite |x| and sum of squares."""
     detectors: tuple[Any, ...] = ("drift", "spike", "shadow")
     """Extra detectors switched on: names, or your own stabilitywatch.Detector instances
     (nonfinite, overflow and underflow are always on)."""
-    shadow_modules: tuple[str, ...] = ()
-    """Globs of module names that get a shadow replica. Empty: the watched modules."""
-    shadow_dtype: str = "fp32"
-    """Precision of the shadow replicas: "fp32" or "fp64"."""
-    shadow_model: bool = False
-    """Also re-run the whole model in `shadow_dtype` on shadow steps: the accumulated error of
-    each shadowed module's output (stat `model_rel_l2`), at the cost of one more forward."""
-    shadow_rel_warn: float = 0.1
-    """Shadow: warning when a module's relative L2 error ||live - shadow|| / ||shadow|| exceeds
-    this (bf16 rounding gives ~0.003, fp16 ~0.0005)."""
-    shadow_rel_critical: float = 0.5
-    """Shadow: critical above this relative L2 error."""
-    shadow_growth: float = 10.0
-    """Shadow: warning when a module's relative error is this many times its baseline (the
-    median of its first `shadow_baseline` shadow steps)..."""
-    shadow_growth_floor: float = 0.01
-    """...and above this relative error (growth from a tiny error is not worth a warning)."""
-    shadow_baseline: int = 5
-    """Shadow steps that form each module's error baseline."""
-    drift_stats: tuple[str, ...] = ("absmax", "rms")
-    """Statistics whose log2 the drift detector follows, per (module, role)."""
-    drift_exclude_roles: tuple[str, ...] = ("optim.*",)
-    """Role globs the drift detector ignores: Adam's moments drift by design while they warm up
-    (1 / (1 - beta2) steps); the gradients that feed them are followed."""
-    drift_window: int = 50
-    """Drift: sampled steps in each rolling baseline (median and MAD of log2 values)."""
-    drift_min_history: int = 10
-    """Drift: sampled steps seen before a series is judged."""
-    drift_min_sigma_bits: float = 0.25
-    """Drift: floor of the robust scale (1.4826 MAD) in bits, so a flat series is not 'noisy'."""
-    drift_z: float = 6.0
-    """Drift: robust score |x - median| / scale at which one sample counts as a jump."""
-    drift_cusum_k: float = 0.5
-    """Drift: CUSUM slack (in robust-score units) subtracted each step."""
-    drift_cusum_h: float = 20.0
-    """Drift: CUSUM decision threshold (in robust-score units): a change point."""
-    drift_min_bits: float = 1.0
-    """Drift: change points smaller than this many bits (x2) from the median are not reported."""
-    drift_warn_bits: float = math.inf
-    """Drift: a change point is a warning when the series moved at least this many bits from its
-    median, an info alert otherwise. Default inf: change points are info (one fault moves many
-    statistics; the range, spike and shadow detectors judge whether it matters), and drift's
-    warning is the time-to-overflow forecast. 4 (x16) makes large moves warnings."""
-    drift_forecast_points: int = 8
-    """Time to overflow: sampled steps in the trend fit (Theil-Sen) of log2(absmax * scale)."""
-    drift_forecast_horizon: int = 50
-    """Time to overflow: warning when the fitted trend reaches the role's format max (from
-    `formats`) within this many steps."""
-    drift_forecast_max_bits: float = 5.0
-    """Time to overflow: only values within this many bits (x32) of the format max are
-    forecast; trends far from it (early training) are extrapolated too far to be trusted."""
-    drift_forecast_min_tau: float = 0.7
-    """Time to overflow: the fitted points must rise nearly monotonically (Kendall's tau of
-    step vs value at least this), so one jump between flat stretches is not a trend."""
-    drift_forecast_confidence: float = 0.9
-    """Time to overflow: the lower bound of this confidence interval of the slope must be > 0."""
-    spike_window: int = 50
-    """Spike: values in each rolling window (loss every step; gradient norms on sampled steps)."""
-    spike_min_history: int = 10
-    """Spike: values seen before a series is judged."""
-    spike_z: float = 6.0
-    """Spike: robust score (x - median) / noise a spike must exceed, noise being the step-to-step
-    scale 1.4826 * MAD(successive differences) / sqrt(2) over the window..."""
-    spike_loss_rel: float = 0.5
-    """...and, for the loss, a rise of at least this fraction of |median| (0.5: +50%)..."""
-    spike_grad_bits: float = 3.0
-    """...and, for the global gradient norm, at least this many bits (x8; early training of HF
-    GPT-2 small jumps x2.8-x20 and recovers: smaller thresholds warn on clean runs)..."""
-    spike_layer_grad_bits: float = 3.0
-    """...and, for a module's gradient norm, at least this many bits (x8). Per-layer spikes are
-    info alerts: one small module's norm is too noisy for a warning."""
     attn_logits: tuple[str, ...] = ()
     """Globs of modules whose output is attention logits (q.k/sqrt(d), before masking and
     softmax); also every `stabilitywatch.LogitsTap("attention")` in the model. Role `attn_logits`."""
     output_logits: tuple[str, ...] = ()
     """Globs of modules whose output is the model's output logits; also every
     `stabilitywatch.LogitsTap("output")`. Roles `logits` and `logz` (logsumexp over the last dim)."""
-    spike_attn_logit_max: float = 50.0
-    """Spike: warning when the largest |attention logit| exceeds this..."""
-    spike_attn_growth_bits: float = 2.0
-    """...or has grown this many bits (x4) above its early median (first `spike_min_history`
-    samples) while above `spike_attn_floor`."""
-    spike_attn_floor: float = 10.0
-    spike_logz_drift: float = 10.0
-    """Spike: warning when the mean log Z of the output logits moved this many nats away from
-    its early median (output-logit divergence, Wortsman et al. 2023)."""
-    # -- incidents and severities (stabilitywatch/incidents.py, detectors/physics.py; README
-    # "Detectors and their defaults"); checked in config_incidents.py
-    incident_warn_bits: float = 4.0
-    """Incidents: a change point of at least this many bits (x16) from its median may be the
-    root of an incident, and is then at least a warning (smaller ones are statistics)."""
-    incident_critical_bits: float = 10.0
-    """Incidents: a change point of at least this many bits (x1024) that is the root of an
-    incident makes it critical."""
-    spike_loss_recent: int = 5
-    """Spike: the loss is judged against the lower of its window's median and the median of
-    its last this-many values (its recent level, while it still falls)."""
-    weight_update_margin: float = 2.0
-    """Physics: a weight's max or min that moved more than this times the most its optimizer
-    could move one element since the previous read (Adam/AdamW: a bound from lr and the betas;
-    SGD: lr x gradient, momentum) is critical: a bad write or silent data corruption."""
-    formats: Mapping[str, str] = field(default_factory=dict)
+    # -- formats, backend and rank
+    formats: Mapping[str, str] = FrozenMap()
     """Which format each tensor role would be cast to, as {role glob: format}, e.g.
     {"output": "e4m3", "weight": "e4m3", "grad*": "e5m2"}. Drives the overflow/underflow
     detectors. Formats with per-row counts: e4m3, e5m2, fp16."""
-    scales: Mapping[str, float] = field(default_factory=dict)
+    scales: Mapping[str, float] = FrozenMap()
     """Scale applied before the format check per role glob (|x*scale| vs the format's range)."""
-    overflow_warn: float = 0.0
-    """Warning when the fraction of finite values above the format's max exceeds this."""
-    overflow_critical: float = 1e-3
-    underflow_warn: float = 0.2
-    """Warning when the fraction of nonzero finite values that round to zero exceeds this."""
-    underflow_critical: float = 0.9
-    min_numel: int = 64
-    """Overflow/underflow fractions of tensors smaller than this are not judged (noise)."""
-    alert_cooldown: int = 50
-    """Steps before the same (detector, module, tensor, stat) may alert again at the same
-    severity (a higher severity always goes through)."""
-    sinks: tuple[Any, ...] = ("jsonl", "console")
-    """Any of: jsonl, console, wandb, tensorboard, and stabilitywatch.sinks.Sink instances
-    (plug-in sinks, used as they are)."""
-    wandb_project: str = "stabilitywatch"
-    wandb_stats: tuple[str, ...] = ()
-    """Statistics the dashboards (W&B and TensorBoard) show instead of `dashboard_stats`: the
-    same entries without "default" (empty: `dashboard_stats` decides)."""
-    # -- dashboards (W&B and TensorBoard sinks): README "Sinks, and the numbers in W&B";
-    # checked in config_dashboards.py
-    dashboard_stats: tuple[str, ...] = ("default",)
-    """What the dashboards show per (module, role): "default" (absmax, rms, nonfinite, the
-    overflow and underflow fractions of the role's configured format; loss mean, gradient norm,
-    shadow rel_l2; biases and raw shadow rows left out), statistic names or globs added for the
-    roles shown ("mean", "e5m2_*"), and "ROLE:STAT" globs for any role ("grad*:std",
-    "*bias:absmax"). stats.jsonl keeps every statistic whatever this says."""
-    dashboard_histograms: bool = True
-    """Exponent histograms (floor(log2|x|) counts) of the rows shown, on sampled steps."""
-    wandb_run: str = "auto"
-    """Which W&B run the wandb sink logs to. "auto": the run you start with wandb.init, before
-    or after watch(); if there is none by close(), a run of the monitor's own, started then.
-    "attach": only yours (nothing reaches W&B without one). "own": a run of its own, started
-    at watch() (then do not call wandb.init yourself in this process)."""
-    queue_size: int = 1024
-    """Steps of statistics records each sink's queue holds (when full, records are dropped for
-    that sink, counted, never waited for; alerts have their own queue and are never dropped)."""
-    # -- sinks (sinks/runner.py; README "Sinks"); checked in config_sinks.py
-    sink_timeout: float = 10.0
-    """Seconds one call of a sink (log, alert, flush) may take; a sink that takes longer is
-    switched off (one warning, never called again) and what it had not written is counted in
-    run.json. Training never waits for it either way."""
-    sink_close_timeout: float = 30.0
-    """Seconds close() gives the sinks in all to write what is queued and close; a sink not done
-    by then is abandoned (one warning naming it; counted in run.json)."""
     backend: Backend = Backend.AUTO
+    """"auto": the Triton kernel on CUDA tensors, pure torch elsewhere; "triton" (an error where
+    Triton does not import); "torch": the pure-torch reference."""
     rank: Optional[int] = None
     """Rank for records; None: torch.distributed's rank when initialised, else 0."""
-    # -- capture (capture/policy.py validates these; README "Post-mortem: capture and replay")
-    capture: tuple[str, ...] = ("critical",)
-    """Alerts that write a capture bundle of their step: "SEVERITY" (any detector at or above
-    it), "DETECTOR" (any severity) or "DETECTOR:SEVERITY". () turns capture and snapshots off."""
-    capture_dir: str = "captures"
-    """Where bundles go: relative to run_dir, or an absolute path."""
-    capture_max: int = 8
-    """At most this many bundles in capture_dir."""
-    capture_max_bytes: int = 4 * 1024**3
-    """At most this many bytes of bundles in capture_dir."""
-    capture_retention: _capture_policy.Retention = _capture_policy.Retention.KEEP_FIRST
-    """At a limit: "keep_first" skips later captures (the first anomaly is the origin; later ones
-    are mostly its consequences), "keep_last" deletes the oldest bundles to make room."""
-    capture_snapshot: _capture_policy.SnapshotPolicy = _capture_policy.SnapshotPolicy.AUTO
-    """What is kept for bundles: "auto" (each step's batch and RNG states; the weights and
-    optimizer state only when the guard skipped the step, copied once for its bundle), "sampled"
-    / "every" (also a start-of-step copy of all weights and optimizer state on sampled / every
-    steps), "off" (no bundles)."""
-    capture_snapshot_to: _capture_policy.SnapshotTarget = _capture_policy.SnapshotTarget.AUTO
-    """Snapshot memory: "device" (a device copy: fast, costs device memory), "host" (pinned host
-    memory, a device-to-host copy), "auto" (device while the ring takes <= 1% of it, else host)."""
-    capture_ring: int = 2
-    """Snapshots held at once: a step's state is kept until its statistics are read (one step
-    later on CUDA), so 2 suffice unless the GPU runs more than a step behind the host."""
-    # -- distributed (stabilitywatch/distributed; README "Many GPUs: torchrun"); checked in
-    # config_distributed.py. Used only when torch.distributed runs with more than one rank.
-    dist_mode: DistMode = DistMode.RANK0
-    """"rank0": at each flush every rank's rows go to rank 0 in one collective; rank 0 merges
-    them (activations and shards: sums add, min/max combine; replicated tensors: its own row)
-    and alone writes alerts.jsonl and stats.jsonl. "per_rank": every rank writes its own rows
-    to its own files (alerts.rank{r}.jsonl...); only fingerprints are exchanged."""
-    dist_flush_every: int = 1
-    """Collective flush at every N-th step end (the same step on every rank), carrying the
-    frames of the steps before it; alerts arrive up to N steps later. Keep capture_ring >= N + 1
-    for captures."""
-    dist_divergence: bool = True
-    """Compare fingerprints of parameters, gradients and optimizer state across ranks (they
-    must be identical under DDP) and name the rank that differs (detector "divergence"). Switch
-    off when ranks hold different plain-tensor parameters (pipeline or tensor parallelism
-    without DTensor)."""
-    dist_backend: DistBackend = DistBackend.GLOO
-    """"gloo": the flush goes through a CPU gloo group made at watch() (never waits for the GPU,
-    never mixes with the job's NCCL collectives); "default": the job's own group."""
-    dist_timeout: float = 300.0
-    """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
-    writing per-rank files."""
-    # -- cross-rank reduction (stabilitywatch/distributed/rounds.py; docs/distributed.md);
-    # checked in config_distributed.py
-    dist_merge: DistMerge = DistMerge.REDUCE
-    """"reduce": a flush is a few all-reduces (SUM, MAX) of packed rows, the same bytes per
-    rank at any world size; ranks are named by the extremes of their ids. "gather": one
-    all-gather of every rank's rows (each rank receives world x its rows)."""
-    # -- sentinel, escalation and guard (README "Every step: the sentinel, escalation and the
-    # guard"); checked in config_sentinel.py
-    sentinel: bool = True
-    """Every step, before the optimizer step, read every watched parameter gradient once (one
-    multi-tensor launch): its NaN/Inf count, largest finite |x| and sum of squares."""
-    escalate_steps: int = 20
-    """A tripped sentinel or a warning-or-worse alert switches the next this-many steps to full
-    sampling (every role); 0 = off. Multi-rank runs escalate on the cross-rank sentinel flag."""
-    on_nonfinite: str = "warn"
-    """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
-    (fused torch.optim optimizers; others: one host check per step), see stabilitywatch/guard.py."""
-    rerun_skipped: bool = False
-    """With the guard and watch(step_fn=...): a skipped step is run again in place (its forward
-    and backward, every role read, no optimizer step) to name the forward module where the
-    values first went bad. Costs one host wait per step (stabilitywatch/inplace.py)."""
-    update_stats: bool = True
-    """On sampled steps that read weights, the optimizer update ||dW|| / ||W|| per module
-    (role `update`, stat `update_ratio`), judged by the `update` detector."""
-    update_spike_bits: float = 3.0
-    """Update detector: warning when log2(update ratio) is this many bits above its median over
-    the last `update_window` samples (and above the median's noise)."""
-    update_window: int = 50
-    update_min_history: int = 8
-    """Samples of a module's update ratio before it is judged."""
+    # -- sub-configs: each a frozen dataclass, or a mapping of its fields (a config file's table)
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    """The drift detector: change points and the time-to-overflow forecast (`DriftConfig`)."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """The spike detector: loss, gradient norms, attention and output logits (`SpikeConfig`)."""
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    """Which modules get shadow replicas, their precision, the shadow detector (`ShadowConfig`)."""
+    range: RangeConfig = field(default_factory=RangeConfig)
+    """Overflow and underflow thresholds (`RangeConfig`)."""
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    """The optimizer-update ratio and the physics check of weights (`UpdateConfig`)."""
+    incidents: IncidentConfig = field(default_factory=IncidentConfig)
+    """Incident severities and the alert cooldown (`IncidentConfig`)."""
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    """Capture bundles and snapshots (`CaptureConfig`); a list is short for its `triggers`."""
+    sinks: SinkConfig = field(default_factory=SinkConfig)
+    """Sinks, their queues and timeouts, W&B and the dashboards (`SinkConfig`); a list is short
+    for its `use`."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Multi-rank runs: who writes, how often ranks flush, divergence checks (`DistConfig`)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """Skipping steps with non-finite gradients (`GuardConfig`)."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for name in ("modules", "exclude", "sinks", "wandb_stats", "module_types"):
+        for name in ("modules", "exclude", "module_types"):
             v = getattr(self, name)
             set_(name, tuple(v) if isinstance(v, (tuple, list)) else (v,))
         for t in self.module_types:
             if not isinstance(t, (str, type)):
                 raise ValueError(f"Config.module_types must hold classes or class names, got {t!r}")
-        for name in ("modules", "exclude", "wandb_stats"):
-            for item in getattr(self, name):
-                if not isinstance(item, str):
-                    raise ValueError(f"Config.{name} must hold strings, got {item!r}")
+        for name in ("modules", "exclude", "attn_logits", "output_logits"):
+            set_(name, check_strings(getattr(self, name), name))
+        v = self.detectors
+        set_("detectors", tuple(v) if isinstance(v, (tuple, list)) else (v,))
+        check_detector_entries(self.detectors, DETECTOR_NAMES)
         if self.select is not None and not callable(self.select):
             raise ValueError("Config.select must be a callable (name, module) -> bool")
         set_("roles", tuple(_enum(Role, r, "roles") for r in _seq(self.roles, "roles")))
         set_("backend", _enum(Backend, self.backend, "backend"))
-        for name in ("every", "queue_size"):
-            _int(getattr(self, name), f"Config.{name}", minimum=1)
-        for name in ("warmup", "shadow_every", "alert_cooldown", "min_numel"):
+        _int(self.every, "Config.every", minimum=1)
+        for name in ("warmup", "shadow_every", "escalate_steps"):
             _int(getattr(self, name), f"Config.{name}", minimum=0)
         if self.rank is not None:
             _int(self.rank, "Config.rank", minimum=0)
-        validate_detector_fields(self, set_)
-        validate_incident_fields(self, set_)  # -- incidents
+        check_bool(self.sentinel, "sentinel")
         role_every = dict(_mapping(self.role_every, "role_every"))
         for k, v in role_every.items():
             _enum(Role, k, "role_every key")
             _int(v, f"Config.role_every[{k!r}]", minimum=1)
-        set_("role_every", role_every)
-        fmts = dict(_mapping(self.formats, "formats"))
-        for k, v in fmts.items():
-            _glob_key(k, "formats")
-            # Fmt is a str-mixin enum: str(Fmt.E4M3) is "Fmt.E4M3", so unwrap it first
-            name = v.value if isinstance(v, enum.Enum) else v
-            if not isinstance(name, str) or name.lower() not in {f.value for f in ROW_FORMATS}:
-                names = ", ".join(f.value for f in ROW_FORMATS)
-                raise ValueError(f"Config.formats[{k!r}] = {v!r}: expected one of {names}")
-            fmts[k] = Fmt(name.lower()).value
-        set_("formats", fmts)
-        scales = dict(_mapping(self.scales, "scales"))
-        for k, v in scales.items():
-            _glob_key(k, "scales")
-            # the kernels take the scale in float32: outside its normal range it would count
-            # as 0 or +inf (stats/scale.py)
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                    or not math.isfinite(v) or not _FLT_MIN <= v <= _FLT_MAX):
-                raise ValueError(f"Config.scales[{k!r}] must be a positive number within "
-                                 f"float32's normal range [2**-126, {_FLT_MAX:.7g}], got {v!r}")
-            scales[k] = float(v)
-        set_("scales", scales)
-        for name in ("overflow_warn", "overflow_critical", "underflow_warn", "underflow_critical"):
+        set_("role_every", FrozenMap(role_every))
+        set_("formats", FrozenMap(_formats(self.formats)))
+        set_("scales", FrozenMap(_scales(self.scales)))
+        for name, cls in SUBCONFIGS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ValueError(f"Config.{name} must be a fraction in [0, 1], got {v!r}")
-        for kind in ("overflow", "underflow"):
-            warn, crit = getattr(self, f"{kind}_warn"), getattr(self, f"{kind}_critical")
-            if warn > crit:
-                raise ValueError(f"Config.{kind}_warn ({warn!r}) must not exceed "
-                                 f"Config.{kind}_critical ({crit!r})")
-        if not isinstance(self.wandb_project, str) or not self.wandb_project:
-            raise ValueError(f"Config.wandb_project must be a non-empty string, "
-                             f"got {self.wandb_project!r}")
-        validate_sink_fields(self)  # -- sinks
-        for k, v in _capture_policy.validate(self).items():  # -- capture
-            set_(k, v)
-        validate_dist_fields(self, set_)  # -- distributed
-        validate_dashboard_fields(self, set_)  # -- dashboards
-        validate_sentinel_fields(self, set_)  # -- sentinel, escalation and guard
+            if not isinstance(v, cls):
+                set_(name, _subconfig(name, v, None))
+        if self.guard.on_nonfinite == "skip" and not self.sentinel:
+            raise ValueError("Config.guard.on_nonfinite='skip' needs Config.sentinel=True (the "
+                             "guard decides from the sentinel)")
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Config":
-        """Named presets: default, full, bf16, fp16, fp8, debug."""
+        """Named presets (see PRESETS and docs/config.md): default, full, bf16, fp16, fp8,
+        debug. Overrides take the same keywords as Config; a mapping for a sub-config updates
+        the preset's."""
         if not isinstance(name, str) or name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        _check_known(cls, overrides)
-        return cls(**{**PRESETS[name], **overrides})
+            raise ValueError(f"unknown preset {name!r}{did_you_mean(str(name), PRESETS)}; "
+                             f"expected one of {sorted(PRESETS)}")
+        base = cls(**_resolve(PRESETS[name], None))
+        return base.replace(**overrides) if overrides else base
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        """A Config from plain data: top-level fields, one table (mapping) per sub-config,
+        `preset = "..."` to start from a preset; flat names warn with their new spelling."""
         if not isinstance(data, Mapping):
             raise ValueError(f"Config.from_dict expects a mapping, got {type(data).__name__}")
         data = dict(data)
         base = data.pop("preset", None)
-        _check_known(cls, data)
+        unknown = [k for k in data if not isinstance(k, str)
+                   or (k not in _FIELDS and k not in FLAT_NAMES)]
+        if unknown:
+            raise UnknownFieldError("unknown Config field(s) " + ", ".join(
+                f"{k!r}{suggest(str(k), _FIELDS)}" for k in unknown))
         return cls.preset(base, **data) if base is not None else cls(**data)
 
     @classmethod
     def from_file(cls, path: "str | os.PathLike") -> "Config":
-        """Load a .toml, .yaml/.yml or .json file (optionally with `preset = "..."`)."""
+        """Load a .toml, .yaml/.yml or .json file (optionally with `preset = "..."`): top-level
+        fields, and a table per sub-config ([drift], [sinks]...)."""
         path = os.fspath(path)
         try:
             with open(path, "rb") as f:
@@ -401,11 +204,15 @@ class Config:
         data = data.get("stabilitywatch", data)
         try:
             return cls.from_dict(data)
+        except UnknownFieldError as e:
+            raise UnknownFieldError(f"config file {path!r}: {e}") from None
         except ValueError as e:
             raise ValueError(f"config file {path!r}: {e}") from None
 
     def replace(self, **changes: Any) -> "Config":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`: a sub-config instance replaces this one's, a mapping (or a
+        flat name) updates it."""
+        return dataclasses.replace(self, **_resolve(changes, self))
 
     # -- lookups used by the monitor ---------------------------------------------------------
     def format_for(self, role: str) -> Optional[str]:
@@ -419,6 +226,75 @@ class Config:
         return role in self.roles
 
 
+_FIELDS = tuple(f.name for f in fields(Config))
+_dataclass_init = Config.__init__
+
+
+def _config_init(self, **kw: Any) -> None:
+    _dataclass_init(self, **_resolve(kw, None))
+
+
+_config_init.__wrapped__ = _dataclass_init  # help() and inspect show the fields
+Config.__init__ = _config_init
+
+
+def _resolve(kw: Mapping[str, Any], base: Optional[Config]) -> dict:
+    """Keyword arguments with every sub-config resolved: flat names folded into their group
+    (with a DeprecationWarning), mappings and list shorthands turned into sub-configs built on
+    `base`'s (the defaults when None)."""
+    direct, nested = split_flat(kw, _FIELDS)
+    for group in set(nested) | {g for g in direct if g in SUBCONFIGS}:
+        sub = getattr(base, group) if base is not None else None
+        if group in direct:
+            sub = _subconfig(group, direct[group], sub)
+        elif sub is None:
+            sub = SUBCONFIGS[group]()
+        if group in nested:
+            sub = build(SUBCONFIGS[group], nested[group], group, sub)
+        direct[group] = sub
+    return direct
+
+
+def _subconfig(group: str, v: Any, base: Any):
+    cls = SUBCONFIGS[group]
+    if isinstance(v, cls):
+        return v
+    if group in SHORTHAND and isinstance(v, (str, tuple, list)):
+        return build(cls, {SHORTHAND[group]: v}, group, base)
+    if isinstance(v, Mapping):
+        return build(cls, v, group, base)
+    short = f", or a list (its {SHORTHAND[group]})" if group in SHORTHAND else ""
+    raise ValueError(f"Config.{group} must be a {cls.__name__}, a mapping of its fields{short}; "
+                     f"got {v!r}")
+
+
+def _formats(v) -> dict:
+    fmts = dict(_mapping(v, "formats"))
+    for k, x in fmts.items():
+        _glob_key(k, "formats")
+        # Fmt is a str-mixin enum: str(Fmt.E4M3) is "Fmt.E4M3", so unwrap it first
+        name = x.value if isinstance(x, enum.Enum) else x
+        if not isinstance(name, str) or name.lower() not in {f.value for f in ROW_FORMATS}:
+            names = ", ".join(f.value for f in ROW_FORMATS)
+            raise ValueError(f"Config.formats[{k!r}] = {x!r}: expected one of {names}")
+        fmts[k] = Fmt(name.lower()).value
+    return fmts
+
+
+def _scales(v) -> dict:
+    scales = dict(_mapping(v, "scales"))
+    for k, x in scales.items():
+        _glob_key(k, "scales")
+        # the kernels take the scale in float32: outside its normal range it would count as 0
+        # or +inf (stats/scale.py)
+        if (isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0
+                or not math.isfinite(x) or not _FLT_MIN <= x <= _FLT_MAX):
+            raise ValueError(f"Config.scales[{k!r}] must be a positive number within "
+                             f"float32's normal range [2**-126, {_FLT_MAX:.7g}], got {x!r}")
+        scales[k] = float(x)
+    return scales
+
+
 def _glob_lookup(table: Mapping[str, Any], role: str):
     if role in table:
         return table[role]
@@ -426,14 +302,6 @@ def _glob_lookup(table: Mapping[str, Any], role: str):
         if fnmatch.fnmatchcase(role, pat):
             return v
     return None
-
-
-def _check_known(cls, data: Mapping) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted((str(k) for k in data if k not in known))
-    if unknown:
-        raise ValueError(f"unknown Config field(s): {', '.join(unknown)}; "
-                         f"expected any of {', '.join(sorted(known))}")
 
 
 def _glob_key(k, name):
@@ -497,13 +365,33 @@ def _parse(path: str, raw: bytes):
 
 _FP8_FORMATS = {"output": "e4m3", "input": "e4m3", "weight": "e4m3",
                 "grad_output": "e5m2", "grad": "e5m2"}
+_FP16_FORMATS = {"output": "fp16", "input": "fp16", "weight": "fp16", "grad_output": "fp16",
+                 "grad": "fp16"}
+# name -> the fields it sets (a sub-config as a mapping of its fields); PRESET_DOCS says why.
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
-    # every tensor role, every step: debugging a known-bad run
     "full": {"every": 1, "roles": tuple(Role)},
-    "bf16": {},
-    "fp16": {"formats": {"output": "fp16", "input": "fp16", "weight": "fp16",
-                         "grad_output": "fp16", "grad": "fp16"}},
+    "bf16": {"shadow_every": 5},
+    "fp16": {"formats": _FP16_FORMATS},
     "fp8": {"formats": _FP8_FORMATS},
-    "debug": {"every": 1, "roles": tuple(Role), "alert_cooldown": 1},
+    "debug": {"every": 1, "roles": tuple(Role), "shadow_every": 1,
+              "incidents": {"cooldown": 1}, "capture": {"snapshot": "every"}},
 }
+PRESET_DOCS: dict[str, str] = {
+    "default": "Statistics every 10th step (every step for the first 10), the sentinel every "
+               "step, no shadow replicas, no format: non-finite values, drift, spikes and "
+               "weight updates are judged, ranges only where `formats` names a format.",
+    "full": "Every role (inputs too) on every step: full coverage of a run whose step time "
+            "can grow by about a tenth (README \"Performance\").",
+    "bf16": "The default plus fp32 shadow replicas on every 5th sampled step: bf16 keeps fp32's "
+            "range, so its risk is precision (8 significant bits), which only a higher-precision "
+            "replay measures.",
+    "fp16": "Every role judged against fp16's range (max 65504, subnormals below 2^-14): "
+            "overflow and underflow of fp16 training, with or without a loss scaler.",
+    "fp8": "Forward roles judged against E4M3 (max 448), backward roles against E5M2 "
+           "(max 57344): the recipe of torchao's float8 training.",
+    "debug": "Every role, every step, a shadow replica of every watched module on every step, "
+             "every repeat alerted (cooldown 1), and a snapshot kept on every step so that even "
+             "a loss-only alert is captured: for a small repro of a known-bad run.",
+}
+assert set(PRESET_DOCS) == set(PRESETS)

@@ -1,4 +1,4 @@
-"""Checks of the dashboard fields of Config (W&B and TensorBoard sinks)."""
+"""Checks of the dashboard fields of SinkConfig (W&B and TensorBoard sinks)."""
 from __future__ import annotations
 
 import fnmatch
@@ -15,28 +15,19 @@ def stat_names() -> tuple[str, ...]:
     return tuple(derive(init_row())) + ("nonfinite",) + SHADOW_STATS
 
 
-def validate_dashboard_fields(cfg, set_) -> None:
+def check_dashboard_stats(v, name: str) -> tuple[str, ...]:
+    """The entries as a tuple; an entry that names no statistic raises ValueError."""
     names = stat_names()
-    for field in ("dashboard_stats", "wandb_stats"):
-        v = getattr(cfg, field)
-        items = (v,) if isinstance(v, str) else v
-        if not isinstance(items, (tuple, list)):
-            raise ValueError(f"Config.{field} must be a list of strings, got {v!r}")
-        for item in items:
-            if not isinstance(item, str) or not item:
-                raise ValueError(f"Config.{field} must hold non-empty strings, got {item!r}")
-            if item == DEFAULT:
-                if field == "wandb_stats":
-                    raise ValueError('Config.wandb_stats: "default" belongs in dashboard_stats')
-                continue
-            stat = item.split(":", 1)[1] if ":" in item else item
-            if not any(fnmatch.fnmatchcase(n, stat) for n in names):
-                raise ValueError(f"Config.{field}: {item!r} names no statistic; known: "
-                                 f"{', '.join(names)}")
-        set_(field, tuple(items))
-    if not isinstance(cfg.dashboard_histograms, bool):
-        raise ValueError(f"Config.dashboard_histograms must be True or False, "
-                         f"got {cfg.dashboard_histograms!r}")
-    if cfg.wandb_run not in WANDB_RUN_MODES:
-        raise ValueError(f"Config.wandb_run must be one of {WANDB_RUN_MODES}, "
-                         f"got {cfg.wandb_run!r}")
+    items = (v,) if isinstance(v, str) else v
+    if not isinstance(items, (tuple, list)):
+        raise ValueError(f"Config.{name} must be a list of strings, got {v!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"Config.{name} must hold non-empty strings, got {item!r}")
+        if item == DEFAULT:
+            continue
+        stat = item.split(":", 1)[1] if ":" in item else item
+        if not any(fnmatch.fnmatchcase(n, stat) for n in names):
+            raise ValueError(f"Config.{name}: {item!r} names no statistic; known: "
+                             f"{', '.join(names)}")
+    return tuple(items)

@@ -1,11 +1,13 @@
-"""Validation of the `# -- distributed` block of Config (README "Many GPUs: torchrun").
+"""The distributed sub-config (`Config.dist`; README "Many GPUs: torchrun"). Used only when
+torch.distributed runs with more than one rank.
 
-Kept apart from config.py like config_detectors.py: it imports nothing from the package
-(config.py imports it)."""
+It imports nothing from the package but config_base (config.py imports it)."""
 from __future__ import annotations
 
 import enum
-import math
+from dataclasses import dataclass
+
+from .config_base import check_bool, check_enum, check_int, check_number
 
 
 class DistMode(str, enum.Enum):
@@ -26,22 +28,39 @@ class DistMerge(str, enum.Enum):
     GATHER = "gather"        # one all-gather of every rank's rows: bytes received O(world x rows)
 
 
-def validate_dist_fields(cfg, set_) -> None:
-    for name, kind in (("dist_mode", DistMode), ("dist_backend", DistBackend),
-                       ("dist_merge", DistMerge)):
-        v = getattr(cfg, name)
-        try:
-            set_(name, kind(v.value if isinstance(v, enum.Enum) else v))
-        except ValueError:
-            raise ValueError(f"Config.{name}: {v!r} is not one of "
-                             f"{[m.value for m in kind]}") from None
-    v = cfg.dist_flush_every
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"Config.dist_flush_every must be an integer >= 1, got {v!r}")
-    if not isinstance(cfg.dist_divergence, bool):
-        raise ValueError(f"Config.dist_divergence must be True or False, "
-                         f"got {cfg.dist_divergence!r}")
-    v = cfg.dist_timeout
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"Config.dist_timeout must be a finite number of seconds > 0, got {v!r}")
-    set_("dist_timeout", float(v))
+@dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """How ranks exchange and write their rows."""
+    mode: DistMode = DistMode.RANK0
+    """"rank0": at each flush every rank's rows go to rank 0 in one collective; rank 0 merges
+    them (activations and shards: sums add, min/max combine; replicated tensors: its own row)
+    and alone writes alerts.jsonl and stats.jsonl. "per_rank": every rank writes its own rows
+    to its own files (alerts.rank{r}.jsonl...); only fingerprints are exchanged."""
+    flush_every: int = 1
+    """Collective flush at every N-th step end (the same step on every rank), carrying the
+    frames of the steps before it; alerts arrive up to N steps later. Keep capture.ring >= N + 1
+    for captures."""
+    divergence: bool = True
+    """Compare fingerprints of parameters, gradients and optimizer state across ranks (they
+    must be identical under DDP) and name the rank that differs (detector "divergence"). Switch
+    off when ranks hold different plain-tensor parameters (pipeline or tensor parallelism
+    without DTensor)."""
+    backend: DistBackend = DistBackend.GLOO
+    """"gloo": the flush goes through a CPU gloo group made at watch() (never waits for the GPU,
+    never mixes with the job's NCCL collectives); "default": the job's own group."""
+    timeout: float = 300.0
+    """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
+    writing per-rank files."""
+    merge: DistMerge = DistMerge.REDUCE
+    """"reduce": a flush is a few all-reduces (SUM, MAX) of packed rows, the same bytes per
+    rank at any world size; ranks are named by the extremes of their ids (docs/distributed.md).
+    "gather": one all-gather of every rank's rows (each rank receives world x its rows)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", check_enum(DistMode, self.mode, "dist.mode"))
+        object.__setattr__(self, "backend", check_enum(DistBackend, self.backend, "dist.backend"))
+        object.__setattr__(self, "merge", check_enum(DistMerge, self.merge, "dist.merge"))
+        check_int(self.flush_every, "dist.flush_every", 1)
+        check_bool(self.divergence, "dist.divergence")
+        object.__setattr__(self, "timeout", check_number(
+            self.timeout, "dist.timeout", 0.0, strict=True, what="a finite number of seconds"))

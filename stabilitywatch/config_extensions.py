@@ -3,6 +3,7 @@ each entry is a built-in detector's name or an object with a `name` and a `check
 from __future__ import annotations
 
 from .alert import DETECTORS
+from .config_base import did_you_mean
 
 
 def check_detector_entries(entries: tuple, names: tuple) -> None:
@@ -12,7 +13,8 @@ def check_detector_entries(entries: tuple, names: tuple) -> None:
     for d in entries:
         if isinstance(d, str):
             if d not in names:
-                raise ValueError(f"Config.detectors: unknown detector {d!r}; expected any of "
+                raise ValueError(f"Config.detectors: unknown detector {d!r}"
+                                 f"{did_you_mean(d, names)}; expected any of "
                                  f"{names} (nonfinite/overflow/underflow are always on) or a "
                                  f"stabilitywatch.Detector instance")
             key = d

@@ -1,39 +1,34 @@
-"""Validation of the `# -- sentinel, escalation and guard` block of Config.
+"""The guard's sub-config (`Config.guard`; README "Every step: the sentinel, escalation and the
+guard"). The sentinel itself is switched by `Config.sentinel`.
 
-It imports nothing from the package (config.py imports it)."""
+It imports nothing from the package but config_base (config.py imports it)."""
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+
+from .config_base import check_bool, did_you_mean
 
 ON_NONFINITE = ("warn", "skip")
 
 
-def validate_sentinel_fields(cfg, set_) -> None:
-    """Normalise and check the block's fields; raise ValueError naming the field."""
-    for name in ("sentinel", "update_stats", "rerun_skipped"):
-        v = getattr(cfg, name)
-        if not isinstance(v, bool):
-            raise ValueError(f"Config.{name} must be a bool, got {v!r}")
-    for name, lo in (("escalate_steps", 0), ("update_window", 3), ("update_min_history", 2)):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"Config.{name} must be an integer >= {lo}, got {v!r}")
-    if cfg.update_min_history > cfg.update_window:
-        raise ValueError(f"Config.update_min_history ({cfg.update_min_history}) must not exceed "
-                         f"Config.update_window ({cfg.update_window})")
-    v = cfg.on_nonfinite
-    v = getattr(v, "value", v)
-    if not isinstance(v, str) or v not in ON_NONFINITE:
-        raise ValueError(f"Config.on_nonfinite must be one of {ON_NONFINITE}, "
-                         f"got {cfg.on_nonfinite!r}")
-    set_("on_nonfinite", v)
-    v = cfg.update_spike_bits
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"Config.update_spike_bits must be a finite number > 0, got {v!r}")
-    set_("update_spike_bits", float(v))
-    if cfg.rerun_skipped and cfg.on_nonfinite != "skip":
-        raise ValueError("Config.rerun_skipped=True needs Config.on_nonfinite='skip' (only a "
-                         "skipped step's weights are still those of its start)")
-    if cfg.on_nonfinite == "skip" and not cfg.sentinel:
-        raise ValueError("Config.on_nonfinite='skip' needs Config.sentinel=True (the guard "
-                         "decides from the sentinel)")
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """What happens to a step whose gradients hold NaN/Inf (stabilitywatch/guard.py)."""
+    on_nonfinite: str = "warn"
+    """"warn": alert only. "skip": a step whose gradients hold NaN/Inf is skipped on the device
+    (fused torch.optim optimizers; others: one host check per step); needs `Config.sentinel`."""
+    rerun_skipped: bool = False
+    """With on_nonfinite="skip" and watch(step_fn=...): a skipped step is run again in place
+    (its forward and backward, every role read, no optimizer step) to name the forward module
+    where the values first went bad. Costs one host wait per step (stabilitywatch/inplace.py)."""
+
+    def __post_init__(self) -> None:
+        v = getattr(self.on_nonfinite, "value", self.on_nonfinite)
+        if not isinstance(v, str) or v not in ON_NONFINITE:
+            raise ValueError(f"Config.guard.on_nonfinite must be one of {ON_NONFINITE}, got "
+                             f"{self.on_nonfinite!r}{did_you_mean(str(v), ON_NONFINITE)}")
+        object.__setattr__(self, "on_nonfinite", v)
+        check_bool(self.rerun_skipped, "guard.rerun_skipped")
+        if self.rerun_skipped and v != "skip":
+            raise ValueError("Config.guard.rerun_skipped=True needs Config.guard.on_nonfinite="
+                             "'skip' (only a skipped step's weights are still those of its start)")

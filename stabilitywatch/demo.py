@@ -128,7 +128,7 @@ def demo_config() -> Config:
     # weight writes whose steps are not skipped, so the walk-through's bundles take their
     # start-of-step state from the "sampled" snapshots (a small model: cheap here)
     return Config(every=1, formats={"output": "e4m3"}, sinks=("jsonl", "console"),
-                  capture_snapshot="sampled")
+                  capture={"snapshot": "sampled"})
 
 
 def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, steps: int = 40,

@@ -28,13 +28,13 @@ class SentinelControl:
         cfg = mon.config
         self.store = mon.buffer.sentinel
         self.guard: Optional[Guard] = None
-        if cfg.on_nonfinite == "skip":
+        if cfg.guard.on_nonfinite == "skip":
             if mon.optimizer is None:
-                log.warning("stabilitywatch: on_nonfinite='skip' needs the optimizer passed to "
-                            "watch(); without it no step is skipped")
+                log.warning("stabilitywatch: guard.on_nonfinite='skip' needs the optimizer passed "
+                            "to watch(); without it no step is skipped")
             else:
                 # captures read the skipped step's state after it: the latch keeps it (guard.py)
-                hold = bool(cfg.capture) and cfg.capture_snapshot.value != "off"
+                hold = bool(cfg.capture.triggers) and cfg.capture.snapshot.value != "off"
                 self.guard = Guard(mon.optimizer, hold=hold)
                 if not self.guard.fused:
                     log.info("stabilitywatch: the guard reads its flag on the host once per step "
@@ -52,8 +52,8 @@ class SentinelControl:
             self.escalate = False
             log.info("stabilitywatch: escalation is off in this multi-rank run: ranks switch "
                         "on the same step only from the guard's cross-rank flag (needs "
-                        "on_nonfinite='skip') read at lockstep flushes (not dist_mode='per_rank' "
-                        "with dist_divergence=False)")
+                        "guard.on_nonfinite='skip') read at lockstep flushes (not "
+                        "dist.mode='per_rank' with dist.divergence=False)")
         elif self.multi and self.escalate:
             log.info("stabilitywatch: multi-rank run: escalation follows the guard's cross-rank "
                      "gradient flag (alerts are decided on one rank and do not escalate)")

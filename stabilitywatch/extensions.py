@@ -46,7 +46,7 @@ class Sink(abc.ABC):
     stats) and Alert objects, on a thread of its own (sinks/runner.py): its methods are never
     called from two threads at once, and never from the training thread. A plug-in sink is any
     subclass, passed as an entry of Config.sinks. A call that raises (anything) or does not
-    return within Config.sink_timeout switches the sink off with one warning; training never
+    return within Config.sinks.timeout switches the sink off with one warning; training never
     waits for it.
     """
     name = "sink"

@@ -1,5 +1,5 @@
-"""The guard (opt-in, `Config(on_nonfinite="skip")`): a step whose gradients are not finite is
-skipped, and the cross-rank flag that decides it.
+"""The guard (opt-in, `Config(guard={"on_nonfinite": "skip"})`): a step whose gradients are not
+finite is skipped, and the cross-rank flag that decides it.
 
 The decision comes from the sentinel (stats/sentinel_store.py), on the device: `flag` is a
 float32 0-dim tensor, 1.0 when a watched gradient holds NaN/Inf. Under torch.distributed it is

@@ -8,10 +8,10 @@ become one incident:
   gradients, optimizer state), so a weight comes before the outputs it feeds; alerts about
   whole-model signals sit where they are computed (the loss after the forward, the global
   gradient norm after the gradients). Candidates are the alerts of warning or worse and change
-  points of at least `incident_warn_bits`; the nonfinite detector's origin (the first non-finite
+  points of at least `incidents.warn_bits`; the nonfinite detector's origin (the first non-finite
   tensor in execution order) is the same rule for NaN/Inf;
 - a change point that is the root is at least a warning, a critical one past
-  `incident_critical_bits`; the incident's severity is its root's, raised to the highest
+  `incidents.critical_bits`; the incident's severity is its root's, raised to the highest
   severity among its consequences (so a filter on severity never drops the root of an incident
   it would keep a consequence of);
 - the root is written first (alerts.jsonl file order) and its message names the consequences;
@@ -70,8 +70,8 @@ class _Open:
 
 class Incidents:
     def __init__(self, config):
-        self.warn_bits = config.incident_warn_bits
-        self.crit_bits = config.incident_critical_bits
+        self.warn_bits = config.incidents.warn_bits
+        self.crit_bits = config.incidents.critical_bits
         # the escalation window of the schedule, where there is one
         self.window = int(getattr(config, "escalate_steps", 0) or 0)
         self._open: Optional[_Open] = None

@@ -1,4 +1,4 @@
-"""Re-running a skipped step in place (`Config(rerun_skipped=True)`, with the guard and `step_fn`).
+"""Re-running a skipped step in place (`Config.guard.rerun_skipped`, with the guard and `step_fn`).
 
 When the guard skipped a step, the weights and optimizer state are still those of its start
 until the next optimizer step. At that step's end the monitor waits for its sentinel (the one
@@ -39,7 +39,7 @@ class InPlaceRerun:
         self._batch: Any = None
         self._frames: set[int] = set()      # steps whose re-run frame is still to come
         cfg = monitor.config
-        if not cfg.rerun_skipped:
+        if not cfg.guard.rerun_skipped:
             return
         why = None
         if monitor.world_size > 1:
@@ -54,7 +54,7 @@ class InPlaceRerun:
             except Exception as e:
                 why = f"step_fn {monitor.step_fn!r} does not import ({type(e).__name__}: {e})"
         if why:
-            log.warning("stabilitywatch: rerun_skipped is off: %s", why)
+            log.warning("stabilitywatch: guard.rerun_skipped is off: %s", why)
 
     @property
     def on(self) -> bool:

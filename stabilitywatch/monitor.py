@@ -19,6 +19,7 @@ import torch.nn as nn
 from .alert import SCHEMA_VERSION, Alert
 from .capture.context import CaptureContext
 from .capture.manager import CaptureManager
+from .capture.treeio import config_to_json
 from .config import Config, Role
 from .detectors.base import Cooldown
 from .detectors import build_detectors
@@ -104,15 +105,15 @@ class Monitor:
                                              config=config, has_optimizer=optimizer is not None,
                                              release=self._release_frame))
         self.detectors += self.dist.detectors()
-        self.cooldown = Cooldown(config.alert_cooldown)
+        self.cooldown = Cooldown(config.incidents.cooldown)
         self.incidents = Incidents(config)
         # shadow replicas and logits taps (hooks/extra.py); validates its globs before any I/O
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
         self.sinks = SinkRunner(make_sinks(self.dist.sink_config(config), self.run_dir, self.rank,
-                                           self.world_size), queue_size=config.queue_size,
-                                timeout=config.sink_timeout,
-                                close_timeout=config.sink_close_timeout)
+                                           self.world_size), queue_size=config.sinks.queue_size,
+                                timeout=config.sinks.timeout,
+                                close_timeout=config.sinks.close_timeout)
         self._record_eager = _eager(self._record)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
@@ -122,14 +123,14 @@ class Monitor:
                                              and not self.extras.running),
                                     self.dist.local, optimizer=optimizer is not None)
         self.taps.sentinel = self.sentinel
-        if config.update_stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
+        if config.update.stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
             self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
                                          self.dist.local)
         # the step's flag (cross-rank), the guard, escalation (escalation.py)
         self.control = SentinelControl(self)
         self.inplace = InPlaceRerun(self)     # rerun_skipped: a skipped step again, every role
         # start-of-step snapshots and bundles of flagged steps (capture/manager.py)
-        self.capture = CaptureManager(self._capture_context()) if config.capture else None
+        self.capture = CaptureManager(self._capture_context()) if config.capture.triggers else None
         self.observers = attach_observers(model, self.observe)
         try:
             self.taps.attach()
@@ -480,7 +481,7 @@ class Monitor:
 
     def _write_manifest(self, **more: Any) -> None:
         info = {"schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
-                "config": _jsonable(self.config), "model_factory": self.model_factory,
+                "config": config_to_json(self.config), "model_factory": self.model_factory,
                 "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
                 "versions": {"torch": torch.__version__, "python": platform.python_version()},
                 **more}
@@ -497,19 +498,6 @@ class Monitor:
         except OSError as e:
             log.warning("stabilitywatch: cannot write %s (%s); going on without it",
                         self.run_dir / name, e)
-
-
-def _jsonable(cfg: Config) -> dict:
-    out = {}
-    for k, v in cfg.__dict__.items():
-        if isinstance(v, tuple):
-            v = [getattr(x, "value", getattr(x, "__name__", str(x))) for x in v]
-        elif hasattr(v, "value"):
-            v = v.value
-        elif callable(v):
-            v = getattr(v, "__qualname__", repr(v))
-        out[k] = v
-    return out
 
 
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

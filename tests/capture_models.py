@@ -83,7 +83,7 @@ def train_wide(run_dir, steps: int = 4, fault_step: int = 2, fault: float = 1e4,
 
     model = build_wide().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with sw.watch(model, opt, config=sw.Config(every=1, sinks=("jsonl",), capture_snapshot="sampled"),
+    with sw.watch(model, opt, config=sw.Config(every=1, sinks=("jsonl",), capture={"snapshot": "sampled"}),
                   run_dir=run_dir,
                   model_factory="capture_models:build_wide",
                   step_fn="capture_models:step_sum_fp16") as mon:
@@ -120,7 +120,7 @@ def train(run_dir, steps: int = 6, fault_step: int = 3, config=None, fault: floa
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # the faults are weight writes, whose steps the guard does not skip: the start-of-step
     # snapshots of the "sampled" policy give their bundles the state to replay
-    config = config or sw.Config(every=1, sinks=("jsonl",), capture_snapshot="sampled")
+    config = config or sw.Config(every=1, sinks=("jsonl",), capture={"snapshot": "sampled"})
     with sw.watch(model, opt, config=config, run_dir=run_dir, model_factory=model_factory,
                   step_fn=step_fn) as mon:
         for step, batch in enumerate(batches(steps)):

@@ -34,7 +34,8 @@ def guard_one_rank_nan(rank, out):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     g = torch.Generator().manual_seed(1)
-    cfg = sw.Config(every=10, warmup=0, on_nonfinite="skip", sinks=("jsonl",), dist_timeout=30)
+    cfg = sw.Config(every=10, warmup=0, guard={"on_nonfinite": "skip"}, sinks=("jsonl",),
+                    dist={"timeout": 30})
     before = after = None
     with sw.watch(model, opt, config=cfg, run_dir=out / "run") as mon:
         for step in range(6):

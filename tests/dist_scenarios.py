@@ -61,8 +61,9 @@ def ddp_bitflip(rank, world, run_dir, device="cpu", dist_backend="gloo", dist_mo
     model = _mlp().to(dev)
     ddp = DDP(model, device_ids=[rank] if device == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    mon = sw.watch(ddp, opt, config=sw.Config(**QUIET, dist_backend=dist_backend,
-                                                 dist_mode=dist_mode, dist_merge=dist_merge),
+    mon = sw.watch(ddp, opt, config=sw.Config(**QUIET, dist={"backend": dist_backend,
+                                                              "mode": dist_mode,
+                                                              "merge": dist_merge}),
                    run_dir=run_dir)
     frames = _keep_frames(mon)
     losses, out_numel = [], 0
@@ -106,7 +107,7 @@ class Branchy(nn.Module):
 def nan_one_rank(rank, world, run_dir, nan_step=4, steps=9):
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    cfg = sw.Config(**QUIET, dist_flush_every=3, dist_divergence=False, capture=())
+    cfg = sw.Config(**QUIET, dist={"flush_every": 3, "divergence": False}, capture=())
     mon = sw.watch(model, opt, config=cfg, run_dir=run_dir)
     losses = []
     for step, x in enumerate(_batches(rank, steps)):
@@ -178,7 +179,8 @@ def fsdp2(rank, world, run_dir, steps=3, device="cpu", dist_backend="gloo"):
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mon = sw.watch(model, opt, config=sw.Config(**QUIET, capture=(), dist_backend=dist_backend),
+    mon = sw.watch(model, opt, config=sw.Config(**QUIET, capture=(),
+                                                     dist={"backend": dist_backend}),
                    run_dir=run_dir)
     frames = _keep_frames(mon)
     expected = {}
@@ -258,7 +260,7 @@ def rank_leaves(rank, world, run_dir, leave_after=2, steps=6):
     """Rank 1 closes its monitor early (its loop ended); rank 0 must go on without waiting for
     the collective timeout."""
     model = _mlp()
-    cfg = sw.Config(**QUIET, dist_divergence=False, capture=(), dist_timeout=20)
+    cfg = sw.Config(**QUIET, dist={"divergence": False, "timeout": 20}, capture=())
     mon = sw.watch(model, config=cfg, run_dir=run_dir)
     t0 = time.monotonic()
     n = leave_after if rank == 1 else steps
@@ -272,7 +274,7 @@ def rank_leaves(rank, world, run_dir, leave_after=2, steps=6):
 def rank_dies(rank, world, run_dir, die_step=3, steps=6):
     """Rank 1 is killed inside a step; rank 0 must go on and leave intact files."""
     model = _mlp()
-    cfg = sw.Config(**QUIET, dist_divergence=False, capture=(), dist_timeout=5)
+    cfg = sw.Config(**QUIET, dist={"divergence": False, "timeout": 5}, capture=())
     mon = sw.watch(model, config=cfg, run_dir=run_dir)
     t0 = time.monotonic()
     for step, x in enumerate(_batches(rank, steps)):

@@ -66,8 +66,8 @@ def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu"
     model = _gpt2().to(dev)
     net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), on_nonfinite="skip",
-                    dist_timeout=60)
+    cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), guard={"on_nonfinite": "skip"},
+                    dist={"timeout": 60})
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
     before = after = None
@@ -99,7 +99,7 @@ def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5, device=
     model = _gpt2().to(dev)
     net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(), dist_timeout=60)
+    cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(), dist={"timeout": 60})
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
     for step, ids in enumerate(_batches(rank, steps, dev)):
@@ -127,8 +127,8 @@ def payload(rank, world, run_dir, steps=4):
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(), dist_merge=merge,
-                        dist_timeout=60)
+        cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(),
+                        dist={"merge": merge, "timeout": 60})
         d = Path(run_dir) / merge
         mon = sw.watch(ddp, opt, config=cfg, run_dir=d)
         g = torch.Generator().manual_seed(1000 + rank)

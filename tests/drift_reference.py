@@ -31,10 +31,10 @@ class DriftDetector(drift.DriftDetector):
     def check(self, frame):
         out = []
         for i, (module, role) in enumerate(frame.keys):
-            if drift._skipped(role, self.cfg.drift_exclude_roles):
+            if drift._skipped(role, self.cfg.drift.exclude_roles):
                 continue
             d = frame.derived(i)
-            for stat in self.cfg.drift_stats:
+            for stat in self.cfg.drift.stats:
                 x = log2_or_none(d[stat])
                 if x is not None:
                     a = self._change_one(frame, module, role, stat, x)
@@ -52,26 +52,26 @@ class DriftDetector(drift.DriftDetector):
         key = (module, role, stat)
         s = self._series.get(key)
         if s is None:
-            s = self._series[key] = _CusumState(cfg.drift_window)
+            s = self._series[key] = _CusumState(cfg.drift.window)
         alert = None
-        if len(s.win) >= cfg.drift_min_history:
+        if len(s.win) >= cfg.drift.min_history:
             med, sigma = _robust(s.win)
-            sigma = max(sigma, cfg.drift_min_sigma_bits)
+            sigma = max(sigma, cfg.drift.min_sigma_bits)
             z = (x - med) / sigma
-            s.gp = max(0.0, s.gp + z - cfg.drift_cusum_k)
-            s.gn = max(0.0, s.gn - z - cfg.drift_cusum_k)
+            s.gp = max(0.0, s.gp + z - cfg.drift.cusum_k)
+            s.gn = max(0.0, s.gn - z - cfg.drift.cusum_k)
             dev = x - med
-            if ((s.gp > cfg.drift_cusum_h or s.gn > cfg.drift_cusum_h or abs(z) >= cfg.drift_z)
-                    and abs(dev) >= cfg.drift_min_bits):
-                how = "jump" if abs(z) >= cfg.drift_z else "change point (CUSUM)"
-                sev = Severity.WARNING if abs(dev) >= cfg.drift_warn_bits else Severity.INFO
+            if ((s.gp > cfg.drift.cusum_h or s.gn > cfg.drift.cusum_h or abs(z) >= cfg.drift.z)
+                    and abs(dev) >= cfg.drift.min_bits):
+                how = "jump" if abs(z) >= cfg.drift.z else "change point (CUSUM)"
+                sev = Severity.WARNING if abs(dev) >= cfg.drift.warn_bits else Severity.INFO
                 msg = (f"{how}: {stat} {2.0 ** x:.4g} is {abs(dev):.1f} bits "
                        f"{'above' if dev > 0 else 'below'} its median {2.0 ** med:.4g} over the "
                        f"last {len(s.win)} samples (robust z {z:+.1f}; CUSUM "
-                       f"{max(s.gp, s.gn):.1f} vs {cfg.drift_cusum_h:g})")
+                       f"{max(s.gp, s.gn):.1f} vs {cfg.drift.cusum_h:g})")
                 alert = Alert(step=frame.step, detector=self.name, severity=sev, module=module,
                               tensor=role, stat=f"log2_{stat}", value=dev,
-                              threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
+                              threshold=cfg.drift.warn_bits, message=msg, rank=frame.rank,
                               extra={"z": z, "median": 2.0 ** med, "value": 2.0 ** x})
                 s.gp = s.gn = 0.0
         s.win.push(x)

@@ -88,13 +88,15 @@ class RaisingSink(CountingSink):
 
 
 def train(run_dir, sinks, steps=24, nan_from=6, step_bound=None, **config):
-    """Trains `steps` steps; every batch from `nan_from` on holds a NaN (a critical alert each
-    step, with alert_cooldown=0). Returns (monitor, step times). step_bound: raise as soon as
-    a step takes longer (so that a stalling sink fails the test instead of hanging it)."""
+    """Trains `steps` steps (sinks: a list, or a SinkConfig); every batch from `nan_from` on
+    holds a NaN (a critical alert each step, with incidents.cooldown=0). Returns (monitor, step
+    times). step_bound: raise as soon as a step takes longer (so that a stalling sink fails the
+    test instead of hanging it)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    cfg = sw.Config(**{"every": 1, "alert_cooldown": 0, "capture": (), "sinks": sinks, **config})
+    cfg = sw.Config(**{"every": 1, "incidents": {"cooldown": 0}, "capture": (), "sinks": sinks,
+                       **config})
     mon = sw.watch(model, opt, config=cfg, run_dir=run_dir)
     g = torch.Generator().manual_seed(1)
     times = []

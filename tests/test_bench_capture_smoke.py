@@ -28,7 +28,7 @@ def test_bench_capture_gpt2_smoke(capsys):
     out = capsys.readouterr().out
     assert "# bench_capture gpt2 on cpu" in out and "ring held in training: 1 slot" in out
     assert out.rstrip().splitlines()[-1].startswith(
-        "| default cadence (every 10), capture_snapshot='sampled' |")
+        "| default cadence (every 10), capture.snapshot='sampled' |")
     assert len(rows) == 6 and all(r["ms"] > 0 and r["peak_bytes"] is None for r in rows)
     r = rows[0]
     assert r["ring_bytes"] == r["slot_bytes"] == r["param_bytes"] + r["optim_bytes"]

@@ -18,7 +18,8 @@ MANIFEST_KEYS = {"kind", "schema", "step", "rank", "world_size", "alerts", "conf
 
 
 def cfg(**kw):
-    return sw.Config(**{"every": 1, "sinks": ("jsonl",), "capture_snapshot": "sampled", **kw})
+    capture = {"snapshot": "sampled", **kw.pop("capture", {})}
+    return sw.Config(**{"every": 1, "sinks": ("jsonl",), "capture": capture, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +95,8 @@ def test_snapshot_ring_is_released_and_reused(run):
 @pytest.mark.parametrize("retention, steps", [("keep_first", [2, 3]), ("keep_last", [4, 5])],
                          ids=["keep_first", "keep_last"])
 def test_retention_by_count(tmp_path, retention, steps):
-    config = cfg(capture=("warning",), capture_max=2, capture_retention=retention,
-                 formats={"output": "fp16"}, alert_cooldown=0)
+    config = cfg(capture={"triggers": ("warning",), "max": 2, "retention": retention},
+                 formats={"output": "fp16"}, incidents={"cooldown": 0})
     mon, _, _ = cm.train(tmp_path, steps=6, fault_step=2, config=config)
     names = sorted(p.name for p in (tmp_path / "captures").iterdir())
     assert names == [f"step{s:08d}-rank0" for s in steps]
@@ -104,13 +105,13 @@ def test_retention_by_count(tmp_path, retention, steps):
 
 
 def test_byte_limit_skips_with_one_warning(tmp_path, caplog):
-    config = cfg(capture=("warning",), capture_max_bytes=1000, formats={"output": "fp16"},
-                 alert_cooldown=0)
+    config = cfg(capture={"triggers": ("warning",), "max_bytes": 1000},
+                 formats={"output": "fp16"}, incidents={"cooldown": 0})
     with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
         mon, _, _ = cm.train(tmp_path, steps=6, fault_step=2, config=config)
     assert mon.alerts and all(a.capture is None for a in mon.alerts)
     msgs = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
-    assert len(msgs) == 1 and "capture_max_bytes" in msgs[0]
+    assert len(msgs) == 1 and "capture.max_bytes" in msgs[0]
 
 
 def test_write_error_never_stops_training(tmp_path, caplog, monkeypatch):
@@ -119,7 +120,7 @@ def test_write_error_never_stops_training(tmp_path, caplog, monkeypatch):
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    config = cfg(capture=("warning",), formats={"output": "fp16"}, alert_cooldown=0)
+    config = cfg(capture=("warning",), formats={"output": "fp16"}, incidents={"cooldown": 0})
     with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
         mon, _, _ = cm.train(tmp_path, steps=6, fault_step=2, config=config)
     assert mon.frames_seen == 6 and {a.step for a in mon.alerts} == {2, 3, 4, 5}
@@ -132,7 +133,7 @@ def test_write_error_never_stops_training(tmp_path, caplog, monkeypatch):
 def test_unwritable_capture_dir(tmp_path, caplog):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file")
-    config = cfg(capture_dir=str(blocker / "captures"))
+    config = cfg(capture={"dir": str(blocker / "captures")})
     with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
         mon, _, _ = cm.train(tmp_path / "run", config=config)
     assert mon.alerts and all(a.capture is None for a in mon.alerts)
@@ -140,20 +141,20 @@ def test_unwritable_capture_dir(tmp_path, caplog):
 
 
 def test_snapshot_policies(tmp_path):
-    mon, _, _ = cm.train(tmp_path / "off", config=cfg(capture_snapshot="off"))
+    mon, _, _ = cm.train(tmp_path / "off", config=cfg(capture={"snapshot": "off"}))
     assert mon.alerts and all(a.capture is None for a in mon.alerts)
     assert mon.capture.snap.nbytes == 0
     mon, _, _ = cm.train(tmp_path / "none", config=cfg(capture=()))
     assert mon.capture is None and all(a.capture is None for a in mon.alerts)
     # sampled: every=4, warmup=0 -> steps 0 and 4 sampled; the fault at 3 shows only in the
     # loss, and its bundle says it lacks the start-of-step state (no snapshot of step 3)
-    mon, _, _ = cm.train(tmp_path / "sampled", config=cfg(every=4, warmup=0, capture_ring=1))
+    mon, _, _ = cm.train(tmp_path / "sampled", config=cfg(every=4, warmup=0, capture={"ring": 1}))
     at3 = [a for a in mon.alerts if a.step == 3]
     assert at3 and all(a.capture == "captures/step00000003-rank0" for a in at3)
     m = json.loads((tmp_path / "sampled" / at3[0].capture / MANIFEST).read_text())
     assert m["lacks"] == ["model", "optimizer"] and "sampled steps only" in m["lacks_why"]
     mon, _, _ = cm.train(tmp_path / "every", config=cfg(every=4, warmup=0,
-                                                         capture_snapshot="every"))
+                                                         capture={"snapshot": "every"}))
     assert [a.capture for a in mon.alerts if a.step == 3][:1] == ["captures/step00000003-rank0"]
 
 
@@ -161,13 +162,13 @@ def test_snapshot_policies(tmp_path):
     ({"capture": ["critical:loud"]}, "capture"),
     ({"capture": [3]}, "capture"),
     ({"capture": ["a:b:c"]}, "capture"),
-    ({"capture_dir": ""}, "capture_dir"),
-    ({"capture_max": 0}, "capture_max"),
-    ({"capture_max_bytes": -1}, "capture_max_bytes"),
-    ({"capture_ring": True}, "capture_ring"),
-    ({"capture_retention": "keep_some"}, "capture_retention"),
-    ({"capture_snapshot": "sometimes"}, "capture_snapshot"),
-    ({"capture_snapshot_to": "disk"}, "capture_snapshot_to"),
+    ({"capture": {"dir": ""}}, "capture.dir"),
+    ({"capture": {"max": 0}}, "capture.max"),
+    ({"capture": {"max_bytes": -1}}, "capture.max_bytes"),
+    ({"capture": {"ring": True}}, "capture.ring"),
+    ({"capture": {"retention": "keep_some"}}, "capture.retention"),
+    ({"capture": {"snapshot": "sometimes"}}, "capture.snapshot"),
+    ({"capture": {"snapshot_to": "disk"}}, "capture.snapshot_to"),
 ], ids=["bad-severity", "not-str", "two-colons", "empty-dir", "max-0", "bytes-negative",
         "ring-bool", "retention", "snapshot", "snapshot-to"])
 def test_config_validation(kw, field):
@@ -177,8 +178,8 @@ def test_config_validation(kw, field):
 
 def test_config_capture_entries_from_file(tmp_path):
     p = tmp_path / "sw.toml"
-    p.write_text('[stabilitywatch]\ncapture = ["nonfinite", "overflow:critical"]\n'
-                 'capture_snapshot = "every"\ncapture_snapshot_to = "host"\n')
+    p.write_text('[stabilitywatch.capture]\ntriggers = ["nonfinite", "overflow:critical"]\n'
+                 'snapshot = "every"\nsnapshot_to = "host"\n')
     c = sw.Config.from_file(p)
-    assert c.capture == ("nonfinite", "overflow:critical")
-    assert c.capture_snapshot.value == "every" and c.capture_snapshot_to.value == "host"
+    assert c.capture.triggers == ("nonfinite", "overflow:critical")
+    assert c.capture.snapshot.value == "every" and c.capture.snapshot_to.value == "host"

@@ -21,13 +21,13 @@ def test_capture_and_replay_on_cuda(tmp_path):
 
 
 def test_host_ring_on_a_side_stream_captures_start_of_step_state(tmp_path):
-    # capture_snapshot_to="host": the ring is pinned host memory filled on a side stream that
+    # capture.snapshot_to="host": the ring is pinned host memory filled on a side stream that
     # the optimizer step waits for; the bundle must still hold the weights the step began with,
     # and replay must reproduce the step bit for bit
     from dataclasses import replace
 
     from stabilitywatch.demo import demo_config
-    cfg = replace(demo_config(), capture_snapshot_to="host")
+    cfg = demo_config().replace(capture={"snapshot_to": "host"})
     r = run_demo(tmp_path / "run", device="cuda", steps=5, fault_step=1, config=cfg)
     caps = sorted({a.capture for a in r.alerts if a.capture})
     assert caps == ["captures/step00000001-rank0", "captures/step00000004-rank0"]
@@ -43,8 +43,8 @@ def _host_ring_run(run_dir, **adamw):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 8)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw)
-    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture_snapshot="sampled",
-                                                capture_snapshot_to="host"), run_dir=run_dir)
+    mon = sw.watch(model, opt, config=sw.Config(every=1, sinks=(), capture={"snapshot": "sampled",
+                                                "snapshot_to": "host"}), run_dir=run_dir)
     for step in range(4):
         with mon.step(step, batch=torch.randn(16, 64, device="cuda")):
             loss = model(torch.randn(16, 64, device="cuda")).square().mean()

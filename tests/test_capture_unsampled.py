@@ -40,7 +40,7 @@ def test_guard_on_an_unsampled_step_writes_a_bundle_that_reproduces(tmp_path, fu
         orig = torch.optim.AdamW
         monkeypatch.setattr(torch.optim, "AdamW", lambda ps, **k: orig(ps, fused=True, **k))
     seen: dict = {}
-    mon, model, _ = cm.train(tmp_path / "run", steps=6, config=unsampled(on_nonfinite="skip"),
+    mon, model, _ = cm.train(tmp_path / "run", steps=6, config=unsampled(guard={"on_nonfinite": "skip"}),
                              before_step=_start_of(3, seen))
     assert bool(mon.control.guard.fused) is fused
     root = next(a for a in mon.alerts if a.step == 3 and a.root)
@@ -99,11 +99,11 @@ def test_the_default_policy_copies_no_weights_per_step(tmp_path):
     # the "sampled" policy, for comparison: a copy of everything on each of the 5 steps
     mon, model, opt = cm.train(tmp_path / "sampled", steps=5, fault_step=-1,
                                config=sw.Config(every=1, sinks=("jsonl",),
-                                                capture_snapshot="sampled"))
+                                                capture={"snapshot": "sampled"}))
     names = {id(p): n for n, p in model.named_parameters()}
     assert mon.capture.snapshot_bytes >= 4 * state_nbytes(model, opt, names)
     mon, model, opt = cm.train(tmp_path / "guard", steps=5,
-                               config=sw.Config(every=1, sinks=("jsonl",), on_nonfinite="skip"))
+                               config=sw.Config(every=1, sinks=("jsonl",), guard={"on_nonfinite": "skip"}))
     names = {id(p): n for n, p in model.named_parameters()}
     assert mon.capture.copies == [(3, state_nbytes(model, opt, names))]
     assert mon.capture.snapshot_bytes == 0
@@ -111,7 +111,7 @@ def test_the_default_policy_copies_no_weights_per_step(tmp_path):
 
 def test_the_bundle_records_the_escalated_steps_rows(tmp_path):
     mon, _, _ = cm.train(tmp_path / "run", steps=8,
-                         config=unsampled(on_nonfinite="skip", escalate_steps=3))
+                         config=unsampled(guard={"on_nonfinite": "skip"}, escalate_steps=3))
     cap = open_capture(tmp_path / "run/captures/step00000003-rank0")
     frames = cap.escalated()
     assert [f["step"] for f in frames] == [4, 5, 6]
@@ -136,7 +136,7 @@ def test_state_over_the_budget_is_left_out_and_said(tmp_path):
 
     model = Big()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = unsampled(on_nonfinite="skip", capture_max_bytes=512 << 10)
+    cfg = unsampled(guard={"on_nonfinite": "skip"}, capture={"max_bytes": 512 << 10})
     with sw.watch(model, opt, config=cfg, run_dir=tmp_path / "run") as mon:
         for step in range(3):
             x = torch.randn(4, 8)
@@ -149,7 +149,7 @@ def test_state_over_the_budget_is_left_out_and_said(tmp_path):
     root = next(a for a in mon.alerts if a.step == 1 and a.root)
     m = json.loads((tmp_path / "run" / root.capture / "manifest.json").read_text())
     assert m["lacks"] == ["model", "optimizer"] and "capture budget" in m["lacks_why"]
-    assert "capture_max_bytes=524288" in root.message and mon.capture.copies == []
+    assert "capture.max_bytes=524288" in root.message and mon.capture.copies == []
 
 
 def test_the_latch_holds_skipped_steps_until_released():
@@ -216,7 +216,7 @@ def test_frames_handled_off_the_training_thread_copy_at_the_next_boundary(tmp_pa
                 assert out, "on_frame did not return"
                 return out[0]
             mon.capture.on_frame = elsewhere
-    mon, _, _ = cm.train(tmp_path / "run", steps=6, config=unsampled(on_nonfinite="skip"),
+    mon, _, _ = cm.train(tmp_path / "run", steps=6, config=unsampled(guard={"on_nonfinite": "skip"}),
                          during_step=during)
     # steps 3 and 4 (both skipped: fc2 stays scaled) each copied, on this (the training) thread
     assert where == [threading.get_ident()] * 2

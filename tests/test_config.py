@@ -9,7 +9,8 @@ import pytest
 import torch.nn as nn
 
 import stabilitywatch as sw
-from stabilitywatch.config import DEFAULT_ROLES, PRESETS, SINK_NAMES, Backend, Config, Role
+from stabilitywatch.config import (DEFAULT_ROLES, PRESET_DOCS, PRESETS, SINK_NAMES, SUBCONFIGS,
+                                   Backend, Config, Role)
 from stabilitywatch.formats import Fmt
 from stabilitywatch.schedule import Schedule
 
@@ -22,11 +23,11 @@ def test_defaults():
     assert Role.INPUT not in c.roles                     # off by default: a read per module
     assert c.every == 10 and c.warmup == 10 and c.shadow_every == 0
     assert c.role_every == {} and c.formats == {} and c.scales == {}
-    assert 0 <= c.overflow_warn <= c.overflow_critical <= 1
-    assert 0 <= c.underflow_warn <= c.underflow_critical <= 1
-    assert c.sinks == ("jsonl", "console") and set(c.sinks) <= set(SINK_NAMES)
+    assert 0 <= c.range.overflow_warn <= c.range.overflow_critical <= 1
+    assert 0 <= c.range.underflow_warn <= c.range.underflow_critical <= 1
+    assert c.sinks.use == ("jsonl", "console") and set(c.sinks.use) <= set(SINK_NAMES)
     assert c.backend is Backend.AUTO and c.rank is None
-    assert c.queue_size >= 1 and c.min_numel >= 0 and c.alert_cooldown >= 0
+    assert c.sinks.queue_size >= 1 and c.range.min_numel >= 0 and c.incidents.cooldown >= 0
 
 
 def test_public_export_and_keyword_only():
@@ -54,8 +55,8 @@ def test_equality_and_pickle_roundtrip():
     ({"modules": "blocks.*"}, "modules", ("blocks.*",)),
     ({"modules": ["a", "b"]}, "modules", ("a", "b")),
     ({"exclude": "head"}, "exclude", ("head",)),
-    ({"sinks": "jsonl"}, "sinks", ("jsonl",)),
-    ({"sinks": []}, "sinks", ()),
+    ({"sinks": "jsonl"}, "sinks", sw.SinkConfig(use=("jsonl",))),
+    ({"sinks": []}, "sinks", sw.SinkConfig(use=())),
     ({"module_types": nn.Linear}, "module_types", (nn.Linear,)),
     ({"module_types": ["Linear", nn.LayerNorm]}, "module_types", ("Linear", nn.LayerNorm)),
     ({"roles": "output"}, "roles", (Role.OUTPUT,)),
@@ -102,11 +103,11 @@ BAD = [
     ("warmup-bool", {"warmup": False}, "warmup"),
     ("shadow_every-negative", {"shadow_every": -2}, "shadow_every"),
     ("shadow_every-float", {"shadow_every": 0.5}, "shadow_every"),
-    ("alert_cooldown-negative", {"alert_cooldown": -1}, "alert_cooldown"),
-    ("min_numel-negative", {"min_numel": -5}, "min_numel"),
-    ("min_numel-bool", {"min_numel": True}, "min_numel"),
-    ("queue_size-0", {"queue_size": 0}, "queue_size"),
-    ("queue_size-str", {"queue_size": "big"}, "queue_size"),
+    ("cooldown-negative", {"incidents": {"cooldown": -1}}, "incidents.cooldown"),
+    ("min_numel-negative", {"range": {"min_numel": -5}}, "range.min_numel"),
+    ("min_numel-bool", {"range": {"min_numel": True}}, "range.min_numel"),
+    ("queue_size-0", {"sinks": {"queue_size": 0}}, "sinks.queue_size"),
+    ("queue_size-str", {"sinks": {"queue_size": "big"}}, "sinks.queue_size"),
     ("rank-negative", {"rank": -1}, "rank"),
     ("rank-bool", {"rank": True}, "rank"),
     ("rank-str", {"rank": "0"}, "rank"),
@@ -121,7 +122,7 @@ BAD = [
     ("modules-non-str", {"modules": ["a", 3]}, "modules"),
     ("modules-none", {"modules": None}, "modules"),
     ("exclude-non-str", {"exclude": [None]}, "exclude"),
-    ("wandb_stats-non-str", {"wandb_stats": [1.0]}, "wandb_stats"),
+    ("dashboard_stats-non-str", {"sinks": {"dashboard_stats": [1.0]}}, "sinks.dashboard_stats"),
     ("module_types-int", {"module_types": [3]}, "module_types"),
     ("module_types-instance", {"module_types": [nn.Linear(2, 2)]}, "module_types"),
     ("select-not-callable", {"select": "fc1"}, "select"),
@@ -144,16 +145,34 @@ BAD = [
     ("scales-bool", {"scales": {"output": True}}, "scales"),
     ("scales-non-str-key", {"scales": {None: 2.0}}, "scales"),
     ("scales-not-mapping", {"scales": 2.0}, "scales"),
-    ("overflow_warn-negative", {"overflow_warn": -0.1}, "overflow_warn"),
-    ("overflow_critical-above-1", {"overflow_critical": 1.5}, "overflow_critical"),
-    ("underflow_warn-nan", {"underflow_warn": float("nan")}, "underflow_warn"),
-    ("underflow_critical-str", {"underflow_critical": "0.9"}, "underflow_critical"),
-    ("underflow_critical-bool", {"underflow_critical": True}, "underflow_critical"),
-    ("overflow-warn-above-critical", {"overflow_warn": 0.5, "overflow_critical": 0.1},
-     "overflow_warn"),
-    ("underflow-warn-above-critical", {"underflow_warn": 0.95}, "underflow_warn"),
-    ("wandb_project-int", {"wandb_project": 5}, "wandb_project"),
-    ("wandb_project-empty", {"wandb_project": ""}, "wandb_project"),
+    ("overflow_warn-negative", {"range": {"overflow_warn": -0.1}}, "range.overflow_warn"),
+    ("overflow_critical-above-1", {"range": {"overflow_critical": 1.5}},
+     "range.overflow_critical"),
+    ("underflow_warn-nan", {"range": {"underflow_warn": float("nan")}}, "range.underflow_warn"),
+    ("underflow_critical-str", {"range": {"underflow_critical": "0.9"}},
+     "range.underflow_critical"),
+    ("underflow_critical-bool", {"range": {"underflow_critical": True}},
+     "range.underflow_critical"),
+    ("overflow-warn-above-critical", {"range": {"overflow_warn": 0.5, "overflow_critical": 0.1}},
+     "range.overflow_warn"),
+    ("underflow-warn-above-critical", {"range": {"underflow_warn": 0.95}}, "range.underflow_warn"),
+    ("wandb_project-int", {"sinks": {"wandb_project": 5}}, "sinks.wandb_project"),
+    ("wandb_project-empty", {"sinks": {"wandb_project": ""}}, "sinks.wandb_project"),
+    ("drift-window-small", {"drift": {"window": 2}}, "drift.window"),
+    ("drift-history-above-window", {"drift": {"window": 5}}, "drift.min_history"),
+    ("spike-z-0", {"spike": {"z": 0}}, "spike.z"),
+    ("shadow-dtype", {"shadow": {"dtype": "fp16"}}, "shadow.dtype"),
+    ("capture-ring-0", {"capture": {"ring": 0}}, "capture.ring"),
+    ("capture-snapshot", {"capture": {"snapshot": "evry"}}, "capture.snapshot.*did you mean"),
+    ("dist-mode", {"dist": {"mode": "rank1"}}, "dist.mode"),
+    ("guard-rerun-without-skip", {"guard": {"rerun_skipped": True}}, "guard.rerun_skipped"),
+    ("skip-without-sentinel", {"guard": {"on_nonfinite": "skip"}, "sentinel": False},
+     "sentinel"),
+    ("update-window", {"update": {"window": 2}}, "update.window"),
+    ("incidents-warn-above-critical", {"incidents": {"warn_bits": 11.0}}, "incidents.warn_bits"),
+    ("drift-not-a-config", {"drift": 5}, "Config.drift must be a DriftConfig"),
+    ("drift-other-config", {"drift": sw.SpikeConfig()}, "Config.drift must be a DriftConfig"),
+    ("sinks-int", {"sinks": 3}, "Config.sinks must be a SinkConfig"),
 ]
 
 
@@ -164,10 +183,11 @@ def test_bad_value_raises_value_error_naming_field(kw, needle):
 
 
 @pytest.mark.parametrize("kw", [
-    {"overflow_warn": 0.0, "overflow_critical": 0.0},
-    {"underflow_warn": 1.0, "underflow_critical": 1.0},
-    {"overflow_warn": 0, "overflow_critical": 1},
-    {"every": 1, "warmup": 0, "alert_cooldown": 0, "min_numel": 0, "queue_size": 1},
+    {"range": {"overflow_warn": 0.0, "overflow_critical": 0.0}},
+    {"range": {"underflow_warn": 1.0, "underflow_critical": 1.0}},
+    {"range": {"overflow_warn": 0, "overflow_critical": 1}},
+    {"every": 1, "warmup": 0, "incidents": {"cooldown": 0}, "range": {"min_numel": 0},
+     "sinks": {"queue_size": 1}},
     {"shadow_every": 3},
     {"rank": 7},
     {"sinks": list(SINK_NAMES)},
@@ -195,13 +215,27 @@ def test_unknown_field_in_constructor_is_type_error():
 @pytest.mark.parametrize("name", sorted(PRESETS), ids=sorted(PRESETS))
 def test_each_preset_builds(name):
     c = Config.preset(name)
-    assert isinstance(c, Config)
+    assert isinstance(c, Config) and PRESET_DOCS[name]
     for k, v in PRESETS[name].items():
         got = getattr(c, k)
         if k == "roles":
             assert got == tuple(Role(r) for r in v)
+        elif k in SUBCONFIGS:
+            for sub, x in v.items():
+                got_sub = getattr(got, sub)
+                assert getattr(got_sub, "value", got_sub) == x, f"{k}.{sub}"
         else:
             assert got == v
+
+
+def test_presets_differ_from_each_other():
+    built = {name: Config.preset(name) for name in PRESETS}
+    assert len(set(built.values())) == len(built), "two presets build the same Config"
+    assert built["bf16"].shadow_every > 0 and built["default"].shadow_every == 0
+    assert built["bf16"].format_for("output") is None           # bf16 keeps fp32's range
+    assert built["fp16"].format_for("grad") == "fp16"
+    assert built["debug"].incidents.cooldown == 1
+    assert built["debug"].capture.snapshot.value == "every"
 
 
 def test_preset_fp8_formats():
@@ -225,8 +259,11 @@ def test_unknown_preset(name):
 
 def test_preset_overrides_apply():
     c = Config.preset("fp8", every=3, formats={"output": "fp16"}, sinks=["jsonl"])
-    assert c.every == 3 and c.formats == {"output": "fp16"} and c.sinks == ("jsonl",)
-    assert Config.preset("debug", alert_cooldown=7).alert_cooldown == 7
+    assert c.every == 3 and c.formats == {"output": "fp16"} and c.sinks.use == ("jsonl",)
+    c = Config.preset("debug", incidents={"warn_bits": 3.0})       # a mapping updates the preset's
+    assert c.incidents.cooldown == 1 and c.incidents.warn_bits == 3.0
+    c = Config.preset("debug", incidents=sw.IncidentConfig(warn_bits=3.0))   # an instance replaces
+    assert c.incidents.cooldown == 50
 
 
 def test_preset_override_validated():
@@ -239,7 +276,9 @@ def test_preset_override_validated():
 def test_presets_table_not_mutated_by_use():
     before = json.dumps(PRESETS, default=str, sort_keys=True)
     Config.preset("fp8", formats={"output": "fp16"})
-    Config.preset("fp8").formats["grad"] = "fp16"     # a config's mapping is its own copy
+    Config.preset("debug", incidents={"cooldown": 3})
+    with pytest.raises(TypeError):
+        Config.preset("fp8").formats["grad"] = "fp16"     # a config's mapping is read-only
     assert json.dumps(PRESETS, default=str, sort_keys=True) == before
 
 
@@ -343,7 +382,7 @@ def test_from_file_flat_with_preset(tmp_path, name, text):
     c = Config.from_file(p)
     assert c.every == 5
     assert c.roles == (Role.OUTPUT, Role.GRAD, Role.LOSS)
-    assert c.sinks == ("jsonl",)
+    assert c.sinks.use == ("jsonl",)
     assert c.format_for("output") == "e4m3" and c.format_for("grad") == "e5m2"   # from fp8
     assert c.scale_for("grad") == 1024.0 and c.scale_for("output") == 1.0
     assert c.role_every == {"grad": 20}
@@ -550,7 +589,7 @@ def test_capture_triggers_accept_every_detector_and_severity():
     from stabilitywatch.capture.policy import SEVERITIES, matches, triggers
     entries = list(SEVERITIES) + list(DETECTORS) + [f"{d}:{s}" for d in DETECTORS + ("*",)
                                                     for s in SEVERITIES]
-    assert Config(capture=entries).capture == tuple(entries)
+    assert Config(capture=entries).capture.triggers == tuple(entries)
     trig = triggers(["critical", "overflow:warning"])
     assert matches(trig, "spike", "critical") and matches(trig, "overflow", "warning")
     assert not matches(trig, "spike", "warning") and not matches(trig, "overflow", "info")

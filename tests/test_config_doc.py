@@ -3,7 +3,8 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
-from stabilitywatch.config import Config
+from stabilitywatch.config import SUBCONFIGS, Config
+from stabilitywatch.config_flat import FLAT_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,14 +16,26 @@ def _tool():
     return mod
 
 
+def _rows():
+    return {line.split("`")[1]: line for line in _tool().render().splitlines()
+            if line.startswith("| `")}
+
+
 def test_config_doc_is_in_sync():
     text = (ROOT / "docs" / "config.md").read_text()
     assert text == _tool().render(), "docs/config.md is out of date: run python tools/config_doc.py"
 
 
 def test_every_field_has_a_row_with_a_meaning():
-    rows = {line.split("`")[1]: line for line in _tool().render().splitlines()
-            if line.startswith("| `")}
-    for f in dataclasses.fields(Config):
-        assert f.name in rows, f.name
-        assert not rows[f.name].rstrip().endswith("|  |"), f"Config.{f.name} has no docstring"
+    rows = _rows()
+    names = [f.name for f in dataclasses.fields(Config)]
+    names += [f"{g}.{f.name}" for g, cls in SUBCONFIGS.items() for f in dataclasses.fields(cls)]
+    for name in names:
+        assert name in rows, name
+        assert not rows[name].rstrip().endswith("|  |"), f"Config.{name} has no docstring"
+
+
+def test_every_flat_name_is_listed_with_its_field():
+    rows = _rows()
+    for flat, new in FLAT_NAMES.items():
+        assert f"`{new}`" in rows[flat], flat

@@ -33,7 +33,8 @@ def test_more_by_name_glob_or_role_and_replacing_the_set():
     assert "sw.output.fp16_underflow_frac/fc" in out and "sw.output.fp16_overflow/fc" not in out
     assert keys(dash, "grad.bias") == ["sw.grad.bias.absmax/fc"]
     assert keys(Dashboard(("mean",)), "grad") == ["sw.grad.mean/fc"]
-    assert Dashboard.from_config(sw.Config(wandb_stats=("l2norm",))).entries == ("l2norm",)
+    cfg = sw.Config(sinks={"dashboard_stats": ("l2norm",)})
+    assert Dashboard.from_config(cfg).entries == ("l2norm",)
 
 
 def test_nonfinite_and_histogram_values():
@@ -64,14 +65,12 @@ def test_run_config_is_plain_json():
 
 
 @pytest.mark.parametrize("bad,field", [
-    ({"dashboard_stats": ("nosuchstat",)}, "dashboard_stats"),
-    ({"dashboard_stats": ("grad:nosuch*",)}, "dashboard_stats"),
-    ({"dashboard_stats": (3,)}, "dashboard_stats"),
-    ({"wandb_stats": ("default",)}, "wandb_stats"),
-    ({"dashboard_histograms": "yes"}, "dashboard_histograms"),
-    ({"wandb_run": "mine"}, "wandb_run"),
-], ids=["unknown-stat", "unknown-role-stat", "non-str", "default-in-wandb_stats",
-        "histograms-str", "wandb_run"])
+    ({"dashboard_stats": ("nosuchstat",)}, "sinks.dashboard_stats"),
+    ({"dashboard_stats": ("grad:nosuch*",)}, "sinks.dashboard_stats"),
+    ({"dashboard_stats": (3,)}, "sinks.dashboard_stats"),
+    ({"dashboard_histograms": "yes"}, "sinks.dashboard_histograms"),
+    ({"wandb_run": "mine"}, "sinks.wandb_run"),
+], ids=["unknown-stat", "unknown-role-stat", "non-str", "histograms-str", "wandb_run"])
 def test_dashboard_config_fields_are_checked(bad, field):
     with pytest.raises(ValueError, match=field):
-        sw.Config(**bad)
+        sw.Config(sinks=bad)

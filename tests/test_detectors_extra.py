@@ -90,16 +90,16 @@ def test_detector_config_fields():
     # the last "spike" is the optimizer-update detector (detectors/update.py)
     assert [d.name for d in build_detectors(sw.Config())][2:] == ["drift", "spike", "shadow",
                                                                   "spike"]
-    assert sw.Config(drift_warn_bits=4).drift_warn_bits == 4.0
-    assert sw.Config.from_dict({"detectors": ["spike"], "spike_z": 8}).spike_z == 8.0
+    assert sw.Config(drift={"warn_bits": 4}).drift.warn_bits == 4.0
+    assert sw.Config.from_dict({"detectors": ["spike"], "spike": {"z": 8}}).spike.z == 8.0
     for bad, field in [({"detectors": ("dirft",)}, "detectors"),
-                       ({"drift_min_history": 60}, "drift_min_history"),
-                       ({"spike_z": -1}, "spike_z"), ({"spike_z": math.nan}, "spike_z"),
-                       ({"drift_forecast_confidence": 1.5}, "drift_forecast_confidence"),
-                       ({"shadow_growth": 0.5}, "shadow_growth"),
-                       ({"drift_stats": ("mean",)}, "drift_stats"),
-                       ({"shadow_model": 1}, "shadow_model"),
-                       ({"drift_window": True}, "drift_window")]:
+                       ({"drift": {"min_history": 60}}, "drift.min_history"),
+                       ({"spike": {"z": -1}}, "spike.z"), ({"spike": {"z": math.nan}}, "spike.z"),
+                       ({"drift": {"forecast_confidence": 1.5}}, "drift.forecast_confidence"),
+                       ({"shadow": {"growth": 0.5}}, "shadow.growth"),
+                       ({"drift": {"stats": ("mean",)}}, "drift.stats"),
+                       ({"shadow": {"model": 1}}, "shadow.model"),
+                       ({"drift": {"window": True}}, "drift.window")]:
         with pytest.raises(ValueError, match=field):
             sw.Config(**bad)
 

@@ -77,7 +77,7 @@ def test_ddp_bit_flip_is_named_by_the_divergence_detector(spawned):
 
 @needs_gloo
 def test_ddp_reduction_and_all_gather_agree(spawned):
-    """dist_merge="gather" (one all-gather of every rank's rows) gives the same records and
+    """dist.merge="gather" (one all-gather of every rank's rows) gives the same records and
     the same divergence alert as the default reduction."""
     out, run = spawned
     g0, _ = _ok(out, run, "ddp_gather")
@@ -296,15 +296,15 @@ def test_divergence_majority_and_tolerance():
 
 def test_dist_config_fields():
     c = sw.Config()
-    assert (c.dist_mode.value, c.dist_flush_every, c.dist_divergence, c.dist_backend.value) == \
+    assert (c.dist.mode.value, c.dist.flush_every, c.dist.divergence, c.dist.backend.value) == \
         ("rank0", 1, True, "gloo")
-    with pytest.raises(ValueError, match="dist_mode"):
-        sw.Config(dist_mode="everyone")
-    with pytest.raises(ValueError, match="dist_flush_every"):
-        sw.Config(dist_flush_every=0)
-    with pytest.raises(ValueError, match="dist_timeout"):
-        sw.Config(dist_timeout=math.inf)
-    assert sw.Config.from_dict({"dist_mode": "per_rank"}).dist_mode.value == "per_rank"
+    with pytest.raises(ValueError, match=r"dist\.mode"):
+        sw.Config(dist={"mode": "everyone"})
+    with pytest.raises(ValueError, match=r"dist\.flush_every"):
+        sw.Config(dist={"flush_every": 0})
+    with pytest.raises(ValueError, match=r"dist\.timeout"):
+        sw.Config(dist={"timeout": math.inf})
+    assert sw.Config.from_dict({"dist": {"mode": "per_rank"}}).dist.mode.value == "per_rank"
 
 
 def test_merge_counts_hsdp_replicas_of_a_shard_once():

@@ -60,8 +60,8 @@ def describe(alerts):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("cfg", [dict(), dict(formats={"output": "e4m3"}, drift_window=12,
-                                              drift_min_history=4, drift_z=4.0)],
+@pytest.mark.parametrize("cfg", [dict(), dict(formats={"output": "e4m3"},
+                                              drift={"window": 12, "min_history": 4, "z": 4.0})],
                          ids=["default", "short-window"])
 def test_same_alerts_as_the_per_series_implementation(seed, cfg):
     config = sw.Config(**cfg)

@@ -82,7 +82,7 @@ def test_a_tripped_sentinel_switches_to_full_sampling_for_the_window_then_back(t
 def test_a_warning_alert_escalates(tmp_path):
     # a loss spike (warning) on an unsampled step: the steps after it read every role
     config = sw.Config(every=10, warmup=0, escalate_steps=2, sinks=("jsonl",),
-                       detectors=("spike",), spike_min_history=3)
+                       detectors=("spike",), spike={"min_history": 3})
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -103,7 +103,7 @@ def test_a_warning_alert_escalates(tmp_path):
 
 
 def test_forward_inf_says_forward_then_escalation_names_the_module(tmp_path):
-    config = sw.Config(every=10, warmup=0, escalate_steps=3, on_nonfinite="skip",
+    config = sw.Config(every=10, warmup=0, escalate_steps=3, guard={"on_nonfinite": "skip"},
                        sinks=("jsonl",))
     mon, recs = _run(tmp_path, 9, config, broken=range(4, 9))
     crit = [a for a in mon.alerts if a.detector == "nonfinite" and a.severity.value == "critical"]
@@ -120,8 +120,8 @@ def rerun_step(model, batch):
 
 def test_a_skipped_step_is_re_run_in_place_and_names_the_forward_module(tmp_path):
     # a transient forward fault (one step): no later step sees it, the re-run does
-    config = sw.Config(every=10, warmup=0, escalate_steps=0, on_nonfinite="skip",
-                       rerun_skipped=True, sinks=("jsonl",))
+    config = sw.Config(every=10, warmup=0, escalate_steps=0, sinks=("jsonl",),
+                       guard=sw.GuardConfig(on_nonfinite="skip", rerun_skipped=True))
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)

@@ -76,7 +76,7 @@ class WrongAlerts(Raising):
 
 def test_a_user_detector_runs_on_every_frame_and_its_alerts_reach_the_sinks(tmp_path):
     det = StepAlert()
-    mon = _loop(sw.Config(detectors=("drift", det), sinks=("jsonl",), alert_cooldown=1),
+    mon = _loop(sw.Config(detectors=("drift", det), sinks=("jsonl",), incidents={"cooldown": 1}),
                 tmp_path / "run")
     assert det.frames == [0, 1, 2, 3]
     mine = [a for a in _alerts(tmp_path / "run") if a["detector"] == "every_step"]
@@ -97,7 +97,7 @@ def test_a_user_detector_runs_on_every_frame_and_its_alerts_reach_the_sinks(tmp_
 def test_a_failing_user_detector_is_switched_off_with_one_warning(tmp_path, caplog, make, why):
     det, other = make(), StepAlert()
     with caplog.at_level(logging.WARNING, logger="stabilitywatch"):
-        _loop(sw.Config(detectors=(det, other), sinks=("jsonl",), alert_cooldown=1),
+        _loop(sw.Config(detectors=(det, other), sinks=("jsonl",), incidents={"cooldown": 1}),
               tmp_path / "run")
     assert det.calls == 1          # switched off after the first failure
     assert other.frames == [0, 1, 2, 3]   # the others and the run go on
@@ -159,11 +159,11 @@ def test_the_readme_detector_and_sink_example_runs(tmp_path):
     ns = {"__name__": "readme"}
     exec(compile(block, "README.md", "exec"), ns)
     config = ns["config"]
-    lines = next(s for s in config.sinks if not isinstance(s, str))
-    _loop(config.replace(alert_cooldown=1), tmp_path / "high", steps=3, scale=100.0)
+    lines = next(s for s in config.sinks.use if not isinstance(s, str))
+    _loop(config.replace(incidents={"cooldown": 1}), tmp_path / "high", steps=3, scale=100.0)
     assert len(lines.lines) == 3 and all("loss_above" in x for x in lines.lines)
     assert [a["step"] for a in _alerts(tmp_path / "high") if a["detector"] == "loss_above"] \
         == [0, 1, 2]
     lines.lines.clear()
-    _loop(config.replace(alert_cooldown=1), tmp_path / "low", steps=3, scale=1e-3)
+    _loop(config.replace(incidents={"cooldown": 1}), tmp_path / "low", steps=3, scale=1e-3)
     assert lines.lines == []

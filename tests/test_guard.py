@@ -1,6 +1,7 @@
-"""The guard (on_nonfinite="skip"): a step whose gradients hold NaN/Inf is skipped on the device
-(fused optimizers, found_inf) or by the documented host fallback (others), and the weights are
-those of a run where that step never happened; across 2 gloo ranks both skip the same step."""
+"""The guard (Config.guard.on_nonfinite="skip"): a step whose gradients hold NaN/Inf is skipped on
+the device (fused optimizers, found_inf) or by the documented host fallback (others), and the
+weights are those of a run where that step never happened; across 2 gloo ranks both skip the
+same step."""
 import json
 import time
 
@@ -30,7 +31,8 @@ def _train(tmp_path, make_opt, skip_step=None, nan_at=None, guard=True):
     opt = make_opt(model.parameters())
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(16, 8, generator=g) for _ in range(6)]
-    cfg = sw.Config(every=10, warmup=0, sinks=("jsonl",), on_nonfinite="skip" if guard else "warn")
+    cfg = sw.Config(every=10, warmup=0, sinks=("jsonl",),
+                    guard={"on_nonfinite": "skip" if guard else "warn"})
     with sw.watch(model, opt, config=cfg, run_dir=tmp_path) as mon:
         for step, x in enumerate(xs):
             if step == skip_step:
@@ -75,7 +77,7 @@ def test_guard_combines_with_a_grad_scaler_found_inf(tmp_path):
     # it, and the attribute is left for GradScaler to delete
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    cfg = sw.Config(every=10, warmup=0, sinks=("jsonl",), on_nonfinite="skip")
+    cfg = sw.Config(every=10, warmup=0, sinks=("jsonl",), guard={"on_nonfinite": "skip"})
     with sw.watch(model, opt, config=cfg, run_dir=tmp_path) as mon:
         with mon.step(0):
             model(torch.randn(4, 8)).square().mean().backward()

@@ -40,7 +40,7 @@ PHASES = [Phase.WEIGHT, Phase.FORWARD, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD
 
 
 def cfg(**kw):
-    return SimpleNamespace(**{"incident_warn_bits": 4.0, "incident_critical_bits": 10.0, **kw})
+    return SimpleNamespace(incidents=SimpleNamespace(warn_bits=4.0, critical_bits=10.0), **kw)
 
 
 def test_root_is_the_earliest_departure_and_comes_first():
@@ -217,14 +217,14 @@ def test_loss_spike_while_the_loss_still_falls():
 
 
 def test_config_fields():
-    c = sw.Config(incident_warn_bits=3, incident_critical_bits=8, weight_update_margin=1,
-                  spike_loss_recent=3)
-    assert (c.incident_warn_bits, c.weight_update_margin) == (3.0, 1.0)
-    for bad, name in [({"incident_warn_bits": 0}, "incident_warn_bits"),
-                      ({"incident_warn_bits": 12}, "incident_warn_bits"),
-                      ({"incident_critical_bits": math.inf}, "incident_critical_bits"),
-                      ({"weight_update_margin": 0.5}, "weight_update_margin"),
-                      ({"spike_loss_recent": 0}, "spike_loss_recent")]:
+    c = sw.Config(incidents={"warn_bits": 3, "critical_bits": 8}, update={"weight_margin": 1},
+                  spike={"loss_recent": 3})
+    assert (c.incidents.warn_bits, c.update.weight_margin) == (3.0, 1.0)
+    for bad, name in [({"incidents": {"warn_bits": 0}}, "incidents.warn_bits"),
+                      ({"incidents": {"warn_bits": 12}}, "incidents.warn_bits"),
+                      ({"incidents": {"critical_bits": math.inf}}, "incidents.critical_bits"),
+                      ({"update": {"weight_margin": 0.5}}, "update.weight_margin"),
+                      ({"spike": {"loss_recent": 0}}, "spike.loss_recent")]:
         with pytest.raises(ValueError, match=name):
             sw.Config(**bad)
 

@@ -87,7 +87,7 @@ def test_accumulation_one_frame_per_optimizer_step(tmp_path):
 def test_nan_weight_is_named_and_replayed(tmp_path):
     # a weight write, whose step is not skipped: the "sampled" snapshots keep its state
     cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",),
-                                                 capture_snapshot="sampled"),
+                                                 capture={"snapshot": "sampled"}),
                                 run_dir=tmp_path / "sw",
                                 model_factory="tests.test_integrations_hf:build_model")
     trainer = trainer_for(tmp_path, [NaNWeight(2), cb])

@@ -120,7 +120,7 @@ def test_gradients_read_after_the_closure(tmp_path):
 def test_nan_weight_is_named_and_replayed(tmp_path):
     # a weight write, whose step is not skipped: the "sampled" snapshots keep its state
     cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",),
-                                                 capture_snapshot="sampled"),
+                                                 capture={"snapshot": "sampled"}),
                                 run_dir=tmp_path / "sw",
                                 model_factory="tests.test_integrations_lightning:build_model")
     model = build_model()
@@ -200,7 +200,7 @@ def test_wandb_through_the_trainers_logger(tmp_path, monkeypatch):
                         default_root_dir=str(tmp_path), callbacks=[cb])
     try:
         trainer.fit(model, loader(3))
-        assert "wandb" in cb.monitor.config.sinks
+        assert "wandb" in cb.monitor.config.sinks.use
     finally:
         wandb.finish()
     runs = find_run_files(str(tmp_path / "wl")) + find_run_files(str(tmp_path / "sw"))
@@ -275,7 +275,7 @@ def test_sentinel_and_guard_after_the_closure(tmp_path, fused):
     the sentinel and the guard run when the callback reads the gradients, so a NaN gradient on
     an unsampled step is named at that step and the guard skips it."""
     cb = StabilityWatchCallback(config=sw.Config(every=10, warmup=0, sinks=("jsonl",),
-                                                 on_nonfinite="skip", capture=()),
+                                                 guard={"on_nonfinite": "skip"}, capture=()),
                                 run_dir=tmp_path / "sw")
     inject = NaNGrad(3)
 

@@ -243,7 +243,7 @@ def test_micro_batches_merge_and_schedule(tmp_path):
     assert loss["stats"]["numel"] == 2
 
 
-@pytest.mark.parametrize("extra", [{}, {"shadow_every": 1, "shadow_model": True,
+@pytest.mark.parametrize("extra", [{}, {"shadow_every": 1, "shadow": {"model": True},
                                       "output_logits": ("fc3",)}], ids=["plain", "shadow"])
 @pytest.mark.parametrize("capture", [(), ("warning",)], ids=["capture-off", "capture-on"])
 def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch, capture, extra):
@@ -252,8 +252,9 @@ def test_no_host_sync_inside_monitored_step(tmp_path, monkeypatch, capture, extr
     on, the start takes the snapshot, and a flagged step writes a bundle (after the step: writing
     may sync)."""
     model, opt = make()
-    mon = sw.watch(model, opt, config=cfg(roles=tuple(sw.Role), capture=capture,
-                                          capture_snapshot="every", formats={"output": "e4m3"},
+    mon = sw.watch(model, opt, config=cfg(roles=tuple(sw.Role),
+                                          capture={"triggers": capture, "snapshot": "every"},
+                                          formats={"output": "e4m3"},
                                           **extra),  # extra: shadow replicas, logits taps
                    run_dir=tmp_path)
     names = ("item", "tolist", "__bool__", "numpy", "nonzero")

@@ -57,7 +57,7 @@ def test_sentinel_and_guard_do_not_sync(tmp_path):
     def before_close(mon):
         holder["launches"] = mon.buffer.sentinel.launches
         holder["kernel"] = bool(mon.buffer.sentinel._plan and mon.buffer.sentinel._plan.launches)
-    config = sw.Config(every=10, warmup=0, on_nonfinite="skip", sinks=("jsonl",))
+    config = sw.Config(every=10, warmup=0, guard={"on_nonfinite": "skip"}, sinks=("jsonl",))
     model = build_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -154,8 +154,8 @@ def test_host_snapshot_ring_does_not_sync(tmp_path):
                     slot.host.flat.is_pinned())
 
     mon = train_without_syncs(tmp_path, sw.Config(every=1, sinks=("jsonl",),
-                                                  capture_snapshot="sampled",
-                                                  capture_snapshot_to="host"), ring)
+                                                  capture={"snapshot": "sampled",
+                                                           "snapshot_to": "host"}), ring)
     assert not mon.capture.snap.disabled and seen == {"model": True, "pinned": True}
     assert mon.capture.snap.nbytes == 0   # close() freed the ring
     assert not mon.taps._failed

@@ -66,7 +66,7 @@ def records(tmp_path, tensor="shadow"):
 @pytest.mark.parametrize("net", [{}, {"dropout": 0.3}, {"bn": True}], ids=["plain", "dropout", "bn"])
 def test_shadow_changes_nothing_in_training(tmp_path, net):
     m1, _, d1 = run(tmp_path / "a", None, monitor=False, autocast=True, **net)
-    m2, mon, d2 = run(tmp_path / "b", cfg(shadow_model=True), autocast=True, **net)
+    m2, mon, d2 = run(tmp_path / "b", cfg(shadow={"model": True}), autocast=True, **net)
     for (n, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert torch.equal(a, b), n   # weights, BatchNorm running stats
     assert torch.equal(d1, d2)        # the RNG stream
@@ -101,7 +101,7 @@ def test_bf16_errors_match_a_direct_computation(tmp_path):
 
 
 def test_fp64_shadow_of_fp32_model_is_near_exact(tmp_path):
-    run(tmp_path, cfg(shadow_dtype="fp64"), steps=2)
+    run(tmp_path, cfg(shadow={"dtype": "fp64"}), steps=2)
     recs = records(tmp_path)
     assert {r["module"] for r in recs} == {"fc1", "fc2"}
     for r in recs:
@@ -110,13 +110,14 @@ def test_fp64_shadow_of_fp32_model_is_near_exact(tmp_path):
 
 
 def test_dropout_masks_are_replayed(tmp_path):
-    run(tmp_path, cfg(modules=("fc1", "fc2"), shadow_modules=("",)), dropout=0.5, autocast=True)
+    run(tmp_path, cfg(modules=("fc1", "fc2"), shadow={"modules": ("",)}), dropout=0.5,
+        autocast=True)
     recs = records(tmp_path)
     assert recs and all(r["stats"]["rel_l2"] < 0.02 for r in recs)  # a new mask would give ~1
 
 
 def test_shadow_schedule_and_module_selection(tmp_path):
-    run(tmp_path, cfg(shadow_every=3, shadow_modules=("fc2",)), steps=7)
+    run(tmp_path, cfg(shadow_every=3, shadow={"modules": ("fc2",)}), steps=7)
     recs = records(tmp_path)
     assert sorted(r["step"] for r in recs) == [0, 3, 6]
     assert {r["module"] for r in recs} == {"fc2"}
@@ -127,14 +128,14 @@ def test_shadow_schedule_and_module_selection(tmp_path):
 
 
 def test_unwatched_shadow_module_records_its_live_row(tmp_path):
-    run(tmp_path, cfg(modules=("fc1",), shadow_modules=("fc2",)), steps=1)
+    run(tmp_path, cfg(modules=("fc1",), shadow={"modules": ("fc2",)}), steps=1)
     raw = [json.loads(line) for line in open(tmp_path / "stats.jsonl")]
     assert ("fc2", "shadow.live") in {(r["module"], r["tensor"]) for r in raw}
     assert not math.isnan(records(tmp_path)[0]["stats"]["cosine"])
 
 
 def test_whole_model_shadow_gives_accumulated_error(tmp_path):
-    run(tmp_path, cfg(shadow_model=True), steps=2, autocast=True)
+    run(tmp_path, cfg(shadow={"model": True}), steps=2, autocast=True)
     recs = records(tmp_path, "shadow.model")
     assert {r["module"] for r in recs} == {"fc1", "fc2", ""}
     fc2 = next(r for r in recs if r["module"] == "fc2" and r["step"] == 0)["stats"]
@@ -143,12 +144,12 @@ def test_whole_model_shadow_gives_accumulated_error(tmp_path):
 
 
 def test_bad_shadow_config():
-    with pytest.raises(ValueError, match="shadow_dtype"):
-        sw.Config(shadow_dtype="fp16")
-    with pytest.raises(ValueError, match="shadow_rel_warn"):
-        sw.Config(shadow_rel_warn=0.9, shadow_rel_critical=0.1)
-    with pytest.raises(ValueError, match="shadow_modules"):
-        sw.watch(Net(), config=cfg(shadow_modules=("nope*",)), run_dir=None)
+    with pytest.raises(ValueError, match=r"shadow\.dtype"):
+        sw.Config(shadow={"dtype": "fp16"})
+    with pytest.raises(ValueError, match=r"shadow\.rel_warn"):
+        sw.Config(shadow={"rel_warn": 0.9, "rel_critical": 0.1})
+    with pytest.raises(ValueError, match=r"shadow\.modules"):
+        sw.watch(Net(), config=cfg(shadow={"modules": ("nope*",)}), run_dir=None)
 
 
 @pytest.mark.parametrize("dtype,x,want", [

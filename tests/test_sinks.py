@@ -442,8 +442,8 @@ def test_config_takes_sink_instances_beside_names():
 
     mine = RecordingSink()
     cfg = sw.Config(sinks=["jsonl", "console", mine])
-    assert cfg.sinks == ("jsonl", "console", mine) and cfg.sinks[2] is mine
-    assert cfg.replace(every=3).sinks[2] is mine           # frozen, replace keeps the instance
+    assert cfg.sinks.use == ("jsonl", "console", mine) and cfg.sinks.use[2] is mine
+    assert cfg.replace(every=3).sinks.use[2] is mine       # frozen, replace keeps the instance
     assert cfg == sw.Config(sinks=("jsonl", "console", mine))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.sinks = ()
@@ -466,14 +466,15 @@ def test_config_refuses_what_is_not_a_sink(sinks, match):
         sw.Config(sinks=(mine, "jsonl", mine))     # one sink on two threads
 
 
-@pytest.mark.parametrize("field", ["sink_timeout", "sink_close_timeout"])
+@pytest.mark.parametrize("field", ["timeout", "close_timeout"])
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "5", True])
 def test_config_sink_timeouts_are_positive_seconds(field, value):
     import stabilitywatch as sw
 
-    with pytest.raises(ValueError, match=f"Config.{field} must be a positive number of seconds"):
-        sw.Config(**{field: value})
-    assert getattr(sw.Config(**{field: 0.25}), field) == 0.25
+    with pytest.raises(ValueError, match=f"Config.sinks.{field} must be a positive number of "
+                                         f"seconds"):
+        sw.Config(sinks={field: value})
+    assert getattr(sw.Config(sinks={field: 0.25}).sinks, field) == 0.25
 
 
 def test_jsonl_stuck_writer_process_costs_stats_not_alerts(tmp_path, monkeypatch, caplog):

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from stabilitywatch import SinkConfig
+
 from sink_scenarios import CountingSink, GatedSink, RaisingSink, read_jsonl, sink_warnings, train
 
 STEP_BOUND = 1.0     # seconds: a step of this model takes ~30 ms; a stall takes seconds
@@ -32,8 +34,9 @@ def test_sink_whose_log_hangs_loses_nothing_of_the_others(tmp_path, caplog):
     hung, counting = GatedSink("hung", "log"), CountingSink()
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
-            mon, times = train(tmp_path, ("jsonl", "console", hung, counting), steps=60,
-                               step_bound=STEP_BOUND, sink_timeout=0.5, sink_close_timeout=2.0)
+            sinks = SinkConfig(use=("jsonl", "console", hung, counting), timeout=0.5,
+                               close_timeout=2.0)
+            mon, times = train(tmp_path, sinks, steps=60, step_bound=STEP_BOUND)
             t0 = time.perf_counter()
             mon.close()
             closing = time.perf_counter() - t0
@@ -62,8 +65,9 @@ def test_full_queue_of_a_slow_sink_makes_no_step_wait(tmp_path, caplog):
     slow, counting = GatedSink("slow", "log"), CountingSink()
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
-            mon, times = train(tmp_path, ("jsonl", "console", slow, counting), steps=30,
-                               step_bound=STEP_BOUND, queue_size=8, sink_timeout=60.0)
+            sinks = SinkConfig(use=("jsonl", "console", slow, counting), queue_size=8,
+                               timeout=60.0)
+            mon, times = train(tmp_path, sinks, steps=30, step_bound=STEP_BOUND)
             assert slow.entered.is_set() and max(times) < STEP_BOUND
             slow.gate.set()          # the sink catches up: close() drains its queues
             mon.close()
@@ -104,7 +108,7 @@ def test_sink_stuck_in_close_is_abandoned_within_the_bound(tmp_path, caplog):
     stuck = GatedSink("stuck", "close")
     try:
         with caplog.at_level(logging.INFO, logger="stabilitywatch"):
-            mon, _ = train(tmp_path, ("jsonl", stuck), steps=10, sink_close_timeout=1.0)
+            mon, _ = train(tmp_path, SinkConfig(use=("jsonl", stuck), close_timeout=1.0), steps=10)
             t0 = time.perf_counter()
             mon.close()
             closing = time.perf_counter() - t0

@@ -105,7 +105,7 @@ def test_close_frees_the_snapshot_ring(tmp_path):
     import stabilitywatch as sw
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters())
-    mon = sw.watch(model, opt, config=sw.Config(sinks=(), every=1, capture_snapshot="sampled"),
+    mon = sw.watch(model, opt, config=sw.Config(sinks=(), every=1, capture={"snapshot": "sampled"}),
                    run_dir=tmp_path)
     for step in range(3):
         with mon.step(step, batch=torch.randn(4, 8)):

@@ -1,62 +1,44 @@
-"""Write docs/config.md, the reference of every `sw.Config` field, from stabilitywatch/config.py:
-each field's type, default and docstring (the string under it), grouped by the `# -- group`
-comments, and the presets. `python tools/config_doc.py` rewrites the file;
-tests/test_config_doc.py fails when it is out of date."""
+"""Write docs/config.md, the reference of every `sw.Config` field, from the dataclasses in
+stabilitywatch/config*.py: each field's type, default and docstring (the string under it),
+the top-level fields grouped by the `# -- group` comments of Config, one section per
+sub-config, the presets and the flat names that still work. `python tools/config_doc.py`
+rewrites the file; tests/test_config_doc.py fails when it is out of date."""
 from __future__ import annotations
 
 import ast
 import dataclasses
 import enum
+import inspect
 import sys
 from pathlib import Path
+from typing import Mapping
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "stabilitywatch" / "config.py"
 TARGET = ROOT / "docs" / "config.md"
-# Groups that begin without a `# --` comment in config.py.
-GROUP_STARTS = {"formats": "Formats and the range detectors", "sinks": "Sinks and W&B",
-                "backend": "Backend and rank"}
-# `# -- group` comments whose title would repeat another group's.
-TITLES = {"sinks": "Sink queues and timeouts"}
-# Fields that share their neighbour's docstring in config.py.
-NOTES = {
-    "overflow_critical": "Critical when the fraction of finite values above the format's max "
-                         "exceeds this.",
-    "underflow_critical": "Critical when the fraction of nonzero finite values that round to "
-                          "zero exceeds this.",
-    "spike_attn_floor": "The largest |attention logit| below which growth is not judged "
-                        "(see `spike_attn_growth_bits`).",
-    "wandb_project": "W&B project of a run the monitor starts itself (see `wandb_run`).",
-    "backend": '"auto": the Triton kernel on CUDA tensors, pure torch elsewhere; "triton" '
-               '(an error where Triton does not import); "torch": the pure-torch reference.',
-    "update_window": "Samples of a module's update ratio in the median that "
-                     "`update_spike_bits` is measured from.",
-}
 
 
-def _groups(src: str) -> dict:
+def _docs(cls) -> dict:
     """Field name -> (group title, docstring), from the class body's source."""
+    src = Path(inspect.getsourcefile(cls)).read_text()
     lines = src.splitlines()
-    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    node = next(n for n in ast.walk(ast.parse(src))
+                if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     out, title = {}, "What is read, and when"
-    body = cls.body
-    for i, node in enumerate(body):
-        if not isinstance(node, ast.AnnAssign):
+    body = node.body
+    for i, item in enumerate(body):
+        if not isinstance(item, ast.AnnAssign):
             continue
-        prev_end = body[i - 1].end_lineno if i else cls.lineno
-        for text in lines[prev_end:node.lineno - 1]:
+        prev_end = body[i - 1].end_lineno if i else node.lineno
+        for text in lines[prev_end:item.lineno - 1]:
             text = text.strip()
             if text.startswith("# --"):
                 title = text[4:].strip().split("(")[0].split(":")[0].strip()
-                title = TITLES.get(title, title)
         nxt = body[i + 1] if i + 1 < len(body) else None
         doc = ""
         if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant) \
                 and isinstance(nxt.value.value, str):
             doc = " ".join(nxt.value.value.split())
-        name = node.target.id
-        title = GROUP_STARTS.get(name, title)
-        out[name] = (title, doc or NOTES.get(name, ""))
+        out[item.target.id] = (title, doc)
     return out
 
 
@@ -65,8 +47,10 @@ def _value(v) -> str:
         return repr(v.value)
     if isinstance(v, tuple):
         return "(" + ", ".join(_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
-    if isinstance(v, dict):
+    if isinstance(v, Mapping):
         return "{" + ", ".join(f"{_value(k)}: {_value(x)}" for k, x in v.items()) + "}"
+    if dataclasses.is_dataclass(v):
+        return f"{type(v).__name__}()"
     return repr(v)
 
 
@@ -82,32 +66,66 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _rows(cls, prefix: str = "") -> list[str]:
+    docs = _docs(cls)
+    return [f"| `{prefix}{f.name}` | `{_cell(str(f.type))}` | `{_cell(_default(f))}` | "
+            f"{_cell(docs.get(f.name, ('', ''))[1])} |" for f in dataclasses.fields(cls)]
+
+
+def _setting(k, v, groups):
+    if k in groups and isinstance(v, Mapping):
+        return [f"`{k}.{kk}={_value(vv)}`" for kk, vv in v.items()]
+    return [f"`{k}={_value(v)}`"]
+
+
 def render() -> str:
     sys.path.insert(0, str(ROOT))
-    from stabilitywatch.config import PRESETS, Config
-    docs = _groups(SOURCE.read_text())
-    hints = {f.name: f.type for f in dataclasses.fields(Config)}
+    from stabilitywatch.config import PRESET_DOCS, PRESETS, SUBCONFIGS, Config
+    from stabilitywatch.config_flat import FLAT_NAMES
+    header = ["| field | type | default | meaning |", "|---|---|---|---|"]
     out = ["# Configuration reference", "",
-           "Every field of `sw.Config` (`stabilitywatch/config.py`): its type, default and",
-           "meaning. Generated by `python tools/config_doc.py` from the fields' docstrings;",
-           "`tests/test_config_doc.py` keeps it in sync. `Config(...)` takes the fields as",
-           "keywords, `Config.from_file` from TOML, YAML or JSON, and",
-           "`Config.preset(name, **overrides)` starts from a preset. Bad values raise `ValueError`",
-           "naming the field.", ""]
+           "Every field of `sw.Config` (`stabilitywatch/config.py`) and of its sub-configs: type,",
+           "default and meaning. Generated by `python tools/config_doc.py` from the fields'",
+           "docstrings; `tests/test_config_doc.py` keeps it in sync. Bad values raise `ValueError`",
+           "naming the field (`Config.drift.window must be ...`); unknown names say which known",
+           "name is closest.", "",
+           "```python",
+           "cfg = sw.Config(every=20, drift=sw.DriftConfig(window=100),",
+           "                sinks=sw.SinkConfig(use=(\"jsonl\", \"wandb\"), wandb_run=\"own\"))",
+           "cfg = sw.Config(drift={\"window\": 100}, sinks=[\"jsonl\", \"wandb\"])  # shorter",
+           "cfg = sw.Config.preset(\"fp8\", every=25)",
+           "cfg = sw.Config.from_file(\"stabilitywatch.toml\")   # [drift] window = 100, ...",
+           "cfg.replace(drift={\"z\": 8.0})             # updates cfg.drift, keeps the rest",
+           "```", "",
+           "A mapping given for a sub-config updates the sub-config it is applied to (the",
+           "defaults, the preset's, or the config's in `replace`); an instance replaces it. Every",
+           "Config and sub-config is frozen and hashes (mappings are stored read-only).", ""]
     group = None
+    docs = _docs(Config)
     for f in dataclasses.fields(Config):
-        title, doc = docs.get(f.name, ("", ""))
+        title, doc = docs[f.name]
         if title != group:
+            out += ([""] if group else []) + [f"## {title[:1].upper() + title[1:]}", ""] + header
             group = title
-            out += [f"## {title[:1].upper() + title[1:]}", "",
-                    "| field | type | default | meaning |", "|---|---|---|---|"]
-        out.append(f"| `{f.name}` | `{_cell(str(hints[f.name]))}` | `{_cell(_default(f))}` | "
+        if f.name in SUBCONFIGS:
+            doc += f" See [{f.name}](#{f.name}-{SUBCONFIGS[f.name].__name__.lower()})."
+        out.append(f"| `{f.name}` | `{_cell(str(f.type))}` | `{_cell(_default(f))}` | "
                    f"{_cell(doc)} |")
-    out += ["", "## Presets", "", "`Config.preset(name)`, or `preset = \"name\"` in a config file:",
-            "", "| preset | fields it sets |", "|---|---|"]
+    for name, cls in SUBCONFIGS.items():
+        out += ["", f"## {name}: {cls.__name__}", "",
+                " ".join((cls.__doc__ or "").split()), ""] + header + _rows(cls, f"{name}.")
+    out += ["", "## Presets", "",
+            "`Config.preset(name, **overrides)`, or `preset = \"name\"` in a config file:", "",
+            "| preset | what it is for | fields it sets |", "|---|---|---|"]
     for name, fields in PRESETS.items():
-        text = ", ".join(f"`{k}={_value(v)}`" for k, v in fields.items()) or "none: the defaults"
-        out.append(f"| `{name}` | {_cell(text)} |")
+        text = ", ".join(x for k, v in fields.items() for x in _setting(k, v, SUBCONFIGS)) or "none"
+        out.append(f"| `{name}` | {_cell(PRESET_DOCS[name])} | {_cell(text)} |")
+    out += ["", "## Flat names", "",
+            "The flat spellings of earlier releases still work as keywords and as config-file",
+            "keys, with a `DeprecationWarning` naming the new spelling. `wandb_stats` (the",
+            "dashboards' list, when not empty) is `sinks.dashboard_stats`.", "",
+            "| flat name | field |", "|---|---|"]
+    out += [f"| `{k}` | `{v}` |" for k, v in FLAT_NAMES.items()]
     return "\n".join(out) + "\n"
 
 

@@ -62,13 +62,13 @@ class CaptureManager:
     def __init__(self, ctx: CaptureContext):
         cfg = ctx.config
         self.ctx = ctx
-        self.triggers = triggers(cfg.capture)
-        self.policy = cfg.capture_snapshot
-        root = Path(cfg.capture_dir)
+        self.triggers = triggers(cfg.capture.triggers)
+        self.policy = cfg.capture.snapshot
+        root = Path(cfg.capture.dir)
         self.root = root if root.is_absolute() else ctx.run_dir / root
-        self.store = Store(self.root, cfg.capture_max, cfg.capture_max_bytes, cfg.capture_retention)
-        self.snap = Snapshotter(ctx.model, ctx.optimizer, ring=cfg.capture_ring,
-                                target=cfg.capture_snapshot_to)
+        self.store = Store(self.root, cfg.capture.max, cfg.capture.max_bytes, cfg.capture.retention)
+        self.snap = Snapshotter(ctx.model, ctx.optimizer, ring=cfg.capture.ring,
+                                target=cfg.capture.snapshot_to)
         self.ring = StepRing(ctx.optimizer)
         self.written: list[Path] = []
         # what was copied of the weights and optimizer state (tests and benchmarks read it):
@@ -180,7 +180,7 @@ class CaptureManager:
                 why = (f"its weights and optimizer state take {state_bytes} bytes, more than "
                        f"the capture budget of {limit} bytes (the smaller of "
                        f"{100 * HOST_FRACTION:g} % of host memory and what "
-                       f"capture_max_bytes={self.store.max_bytes} leaves)")
+                       f"capture.max_bytes={self.store.max_bytes} leaves)")
                 lacks, source, state_bytes = ["model", "optimizer"], None, 0
         if rec is None and slot is None:
             lacks += ["batch", "rng"]
@@ -216,7 +216,7 @@ class CaptureManager:
             return (f"the guard's hold on the skipped step ended before the host read its frame "
                     f"(more than {self.ctx.hold_limit} steps late)")
         if self.policy is SnapshotPolicy.SAMPLED:
-            return ("capture_snapshot='sampled' keeps the start-of-step state on sampled steps "
+            return ("capture.snapshot='sampled' keeps the start-of-step state on sampled steps "
                     "only, and this step's update was applied")
         if self.policy is SnapshotPolicy.EVERY:
             return "every snapshot slot was still held (raise capture_ring)"
@@ -224,9 +224,9 @@ class CaptureManager:
             return "the step was skipped, but the guard does not hold captures' state"
         if self.ctx.guard_holds():
             return ("the guard did not skip the step (its gradients were finite), so its update "
-                    "was applied, and capture_snapshot='auto' copies no weights per step")
-        return ("the step's update was applied (the guard is off: on_nonfinite='skip' keeps "
-                "a skipped step's state for its bundle), and capture_snapshot='auto' copies no "
+                    "was applied, and capture.snapshot='auto' copies no weights per step")
+        return ("the step's update was applied (the guard is off: guard.on_nonfinite='skip' keeps "
+                "a skipped step's state for its bundle), and capture.snapshot='auto' copies no "
                 "weights per step ('sampled' or 'every' do, at their cost)")
 
     def _manifest(self, frame: Any, alerts: list[Alert]) -> dict:

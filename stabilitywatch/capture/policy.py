@@ -33,7 +33,7 @@ class SnapshotTarget(str, enum.Enum):
 
 
 class Retention(str, enum.Enum):
-    """What happens when capture_max or capture_max_bytes would be exceeded."""
+    """What happens when capture.max or capture.max_bytes would be exceeded."""
     KEEP_FIRST = "keep_first"  # later captures are skipped: the first anomaly is the origin
     KEEP_LAST = "keep_last"    # the oldest bundles are deleted to make room
 
@@ -75,29 +75,3 @@ def triggers(entries) -> list[tuple[str, int]]:
 def matches(trig: list[tuple[str, int]], detector: str, severity: str) -> bool:
     rank = SEV_RANK.get(severity, 0)
     return any((d == "*" or d == detector) and rank >= r for d, r in trig)
-
-
-def validate(cfg: Any) -> dict[str, Any]:
-    """Normalised values of the capture fields of `cfg` (raises ValueError naming the field)."""
-    cap = cfg.capture
-    cap = (cap,) if isinstance(cap, str) else cap
-    if not isinstance(cap, (tuple, list)):
-        raise ValueError(f"Config.capture must be a list of trigger strings, got {cap!r}")
-    triggers(cap)
-    out: dict[str, Any] = {"capture": tuple(cap)}
-    if not isinstance(cfg.capture_dir, str) or not cfg.capture_dir.strip():
-        raise ValueError(f"Config.capture_dir must be a non-empty path string, "
-                         f"got {cfg.capture_dir!r}")
-    for name in ("capture_max", "capture_max_bytes", "capture_ring"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"Config.{name} must be an integer >= 1, got {v!r}")
-    for name, kind in (("capture_snapshot", SnapshotPolicy), ("capture_snapshot_to", SnapshotTarget),
-                       ("capture_retention", Retention)):
-        v = getattr(cfg, name)
-        try:
-            out[name] = kind(v.value if isinstance(v, enum.Enum) else v)
-        except ValueError:
-            raise ValueError(f"Config.{name}: {v!r} is not one of "
-                             f"{[m.value for m in kind]}") from None
-    return out

@@ -112,7 +112,7 @@ def jsonable(v: Any) -> Any:
     """Optimizer metadata and the like: tensors to lists, tuples to lists, NaN/Inf to strings."""
     if isinstance(v, torch.Tensor):
         return {"tensor": jsonable(v.detach().cpu().tolist())}
-    if isinstance(v, dict):
+    if isinstance(v, Mapping):
         return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [jsonable(x) for x in v]
@@ -127,8 +127,9 @@ def jsonable(v: Any) -> Any:
 
 # -- the Config -------------------------------------------------------------------------------
 def config_to_json(cfg) -> dict:
-    """Every field as plain JSON. `select` (a callable) cannot be stored: it is written as its
-    name and dropped on load; replay watches the recorded module names instead."""
+    """Every field as plain JSON, a sub-config as a table of its fields. `select` (a callable)
+    cannot be stored: it is written as its name and dropped on load; replay watches the
+    recorded module names instead."""
     out = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
@@ -136,27 +137,49 @@ def config_to_json(cfg) -> dict:
             v = None if v is None else f"<callable {getattr(v, '__qualname__', repr(v))}>"
         elif f.name == "module_types":
             v = [t if isinstance(t, str) else t.__name__ for t in v]
+        elif dataclasses.is_dataclass(v):
+            v = {g.name: getattr(v, g.name) for g in dataclasses.fields(v)}
         out[f.name] = jsonable(v)
     return out
 
 
 def config_from_json(data: Mapping[str, Any], **overrides: Any):
     """Rebuild a Config from config_to_json output: fields this version does not know are
-    ignored (a bundle from a newer version still replays), `select` and the user's own
+    ignored (a bundle from a newer version still replays), flat names of a bundle from an
+    older version go to their sub-config, `select` and the user's own
     detectors are dropped."""
-    from ..config import Config
+    from ..config import SUBCONFIGS, Config
     from ..config_detectors import DETECTOR_NAMES
+    from ..config_flat import FLAT_NAMES
 
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    kw = {k: v for k, v in data.items() if k in fields and k != "select"}
+    top = {f.name: f for f in dataclasses.fields(Config)}
+    kw: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for k, v in data.items():
+        if k in SUBCONFIGS and isinstance(v, Mapping):
+            nested.setdefault(k, {}).update(v)
+        elif k in top and k != "select" and k not in SUBCONFIGS:
+            kw[k] = _number(v, top[k].default)
+        elif k in FLAT_NAMES and not (k == "wandb_stats" and not v):
+            group, _, sub = FLAT_NAMES[k].partition(".")
+            nested.setdefault(group, {}).setdefault(sub, v)
+        elif k in ("capture", "sinks") and isinstance(v, list):  # older bundles: the list itself
+            nested.setdefault(k, {}).setdefault("triggers" if k == "capture" else "use", v)
     if isinstance(kw.get("detectors"), list):
         # a user's Detector instances are objects, stored as their repr: replay runs the
         # built-in detectors only
         kw["detectors"] = [d for d in kw["detectors"] if d in DETECTOR_NAMES]
-    for k, v in kw.items():  # numbers JSON cannot hold were written as "inf", "-inf", "nan"
-        default = fields[k].default
-        if v in ("inf", "-inf", "nan") and isinstance(default, (int, float)) \
-                and not isinstance(default, bool):
-            kw[k] = py_float(v)
+    for group, table in nested.items():
+        known = {f.name: f for f in dataclasses.fields(SUBCONFIGS[group])}
+        kw[group] = SUBCONFIGS[group](**{k: _number(v, known[k].default)
+                                         for k, v in table.items() if k in known})
     kw.update(overrides)
     return Config(**kw)
+
+
+def _number(v, default):
+    """Numbers JSON cannot hold were written as "inf", "-inf", "nan"."""
+    if v in ("inf", "-inf", "nan") and isinstance(default, (int, float)) \
+            and not isinstance(default, bool):
+        return py_float(v)
+    return v

@@ -164,12 +164,12 @@ class Store:
         """None when a bundle of about `need` bytes may be written now (deleting the oldest
         bundles under keep_last), else the reason it may not."""
         if need > self.max_bytes:
-            return f"it would take ~{need} bytes, more than capture_max_bytes={self.max_bytes}"
+            return f"it would take ~{need} bytes, more than capture.max_bytes={self.max_bytes}"
         if self.retention is Retention.KEEP_FIRST:
             if len(self.entries) >= self.max_count:
-                return f"capture_max={self.max_count} bundles already written (keep_first)"
+                return f"capture.max={self.max_count} bundles already written (keep_first)"
             if self.nbytes + need > self.max_bytes:
-                return f"capture_max_bytes={self.max_bytes} would be exceeded (keep_first)"
+                return f"capture.max_bytes={self.max_bytes} would be exceeded (keep_first)"
             return None
         while self.entries and (len(self.entries) >= self.max_count
                                 or self.nbytes + need > self.max_bytes):

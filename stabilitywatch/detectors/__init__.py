@@ -19,13 +19,13 @@ def build_detectors(config: Config, optimizer=None, modules=()) -> list[Detector
     """The always-on detectors (nonfinite, overflow/underflow, and with an optimizer the
     physics of weight updates), then those of `config.detectors` (names, or your own Detector
     instances), in the order they run on each frame."""
-    dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.alert_cooldown)),
+    dets: list[Detector] = [NonFiniteDetector(remind_every=max(1, config.incidents.cooldown)),
                             RangeDetector(config)]
     if optimizer is not None:
         dets.append(PhysicsDetector(config, optimizer, list(modules)))
     dets += [_EXTRA[d](config) if isinstance(d, str) else UserDetector(d)
              for d in config.detectors]
-    if config.update_stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
+    if config.update.stats and "spike" in config.detectors:   # ||dW|| / ||W|| spikes
         dets.append(UpdateDetector(config))
     return dets
 

@@ -1,15 +1,15 @@
 """Drift: slow or sudden changes of a tensor's scale, and how long until it overflows its format.
 
-Per (module, role, statistic) series of log2 values (`drift_stats`, default absmax and rms):
-- a robust baseline: median and 1.4826 * MAD of the previous `drift_window` samples, the scale
-  floored at `drift_min_sigma_bits`; z = (x - median) / scale;
+Per (module, role, statistic) series of log2 values (`drift.stats`, default absmax and rms):
+- a robust baseline: median and 1.4826 * MAD of the previous `drift.window` samples, the scale
+  floored at `drift.min_sigma_bits`; z = (x - median) / scale;
 - change points: a two-sided CUSUM on z (g+ = max(0, g+ + z - k), g- likewise; alert when either
-  passes h) or a single |z| >= `drift_z`. Warning when the series moved `drift_warn_bits` or more
+  passes h) or a single |z| >= `drift.z`. Warning when the series moved `drift.warn_bits` or more
   from its median, info otherwise; the sums restart after each alert;
 - time to overflow, for roles with a format (`Config.formats`): a Theil-Sen fit (series.theil_sen) of
-  log2(absmax * scale) against the step over the last `drift_forecast_points` samples; when the
+  log2(absmax * scale) against the step over the last `drift.forecast_points` samples; when the
   lower confidence bound of the slope is positive, steps = (log2(format max) - current) / slope,
-  a warning when steps <= `drift_forecast_horizon` and the value still fits the format (past it,
+  a warning when steps <= `drift.forecast_horizon` and the value still fits the format (past it,
   the overflow detector speaks).
 Loss, logits and shadow rows belong to the spike and shadow detectors and are skipped here.
 """
@@ -92,7 +92,7 @@ class DriftDetector(Detector):
 
     def __init__(self, config: Config):
         self.cfg = config
-        self._rings = _Rings(config.drift_window)
+        self._rings = _Rings(config.drift.window)
         self._skip: dict[str, bool] = {}
         self._trend: dict[tuple[str, str], deque] = {}
 
@@ -102,11 +102,11 @@ class DriftDetector(Detector):
         for i, (_, role) in enumerate(frame.keys):
             skip = self._skip.get(role)
             if skip is None:
-                skip = self._skip[role] = _skipped(role, cfg.drift_exclude_roles)
+                skip = self._skip[role] = _skipped(role, cfg.drift.exclude_roles)
             if not skip:
                 keep.append(i)
         found: list[tuple[int, int, Alert]] = []   # (row, order within the row, alert)
-        for order, stat in enumerate(cfg.drift_stats):
+        for order, stat in enumerate(cfg.drift.stats):
             col = frame.column(stat)
             rows, xs = [], []
             for i in keep:
@@ -116,7 +116,7 @@ class DriftDetector(Detector):
                     xs.append(x)
             if rows:
                 found += [(i, order, a) for i, a in self._change(frame, stat, rows, xs)]
-        late = len(cfg.drift_stats)
+        late = len(cfg.drift.stats)
         for i in keep:
             fmt = cfg.format_for(frame.keys[i][1])
             if fmt is not None:
@@ -135,31 +135,31 @@ class DriftDetector(Detector):
         series = r.rows([(*frame.keys[i], stat) for i in rows])
         x = np.asarray(xs, dtype=np.float64)
         out = []
-        ready = r.count[series] >= cfg.drift_min_history
+        ready = r.count[series] >= cfg.drift.min_history
         if ready.any():
             sel = np.flatnonzero(ready)
             e = series[sel]
             med, sigma = r.robust(e)
-            sigma = np.maximum(sigma, cfg.drift_min_sigma_bits)
+            sigma = np.maximum(sigma, cfg.drift.min_sigma_bits)
             z = (x[sel] - med) / sigma
-            gp = np.maximum(0.0, r.gp[e] + z - cfg.drift_cusum_k)
-            gn = np.maximum(0.0, r.gn[e] - z - cfg.drift_cusum_k)
+            gp = np.maximum(0.0, r.gp[e] + z - cfg.drift.cusum_k)
+            gn = np.maximum(0.0, r.gn[e] - z - cfg.drift.cusum_k)
             dev = x[sel] - med
-            fire = (((gp > cfg.drift_cusum_h) | (gn > cfg.drift_cusum_h)
-                     | (np.abs(z) >= cfg.drift_z)) & (np.abs(dev) >= cfg.drift_min_bits))
+            fire = (((gp > cfg.drift.cusum_h) | (gn > cfg.drift.cusum_h)
+                     | (np.abs(z) >= cfg.drift.z)) & (np.abs(dev) >= cfg.drift.min_bits))
             for j in np.flatnonzero(fire):
                 i = rows[sel[j]]
                 module, role = frame.keys[i]
                 zj, mj, xj, dj = float(z[j]), float(med[j]), xs[sel[j]], float(dev[j])
-                how = "jump" if abs(zj) >= cfg.drift_z else "change point (CUSUM)"
-                sev = Severity.WARNING if abs(dj) >= cfg.drift_warn_bits else Severity.INFO
+                how = "jump" if abs(zj) >= cfg.drift.z else "change point (CUSUM)"
+                sev = Severity.WARNING if abs(dj) >= cfg.drift.warn_bits else Severity.INFO
                 msg = (f"{how}: {stat} {2.0 ** xj:.4g} is {abs(dj):.1f} bits "
                        f"{'above' if dj > 0 else 'below'} its median {2.0 ** mj:.4g} over the "
                        f"last {int(r.count[e[j]])} samples (robust z {zj:+.1f}; CUSUM "
-                       f"{max(gp[j], gn[j]):.1f} vs {cfg.drift_cusum_h:g})")
+                       f"{max(gp[j], gn[j]):.1f} vs {cfg.drift.cusum_h:g})")
                 out.append((i, Alert(step=frame.step, detector=self.name, severity=sev,
                                      module=module, tensor=role, stat=f"log2_{stat}", value=dj,
-                                     threshold=cfg.drift_warn_bits, message=msg, rank=frame.rank,
+                                     threshold=cfg.drift.warn_bits, message=msg, rank=frame.rank,
                                      extra={"z": zj, "median": 2.0 ** mj, "value": 2.0 ** xj,
                                             "bits": dj, "change_point": True})))
                 gp[j] = gn[j] = 0.0
@@ -175,13 +175,13 @@ class DriftDetector(Detector):
             return None
         tr = self._trend.get((module, role))
         if tr is None:
-            tr = self._trend[(module, role)] = deque(maxlen=cfg.drift_forecast_points)
+            tr = self._trend[(module, role)] = deque(maxlen=cfg.drift.forecast_points)
         tr.append((frame.step, y))
-        if len(tr) < cfg.drift_forecast_points:
+        if len(tr) < cfg.drift.forecast_points:
             return None
         top = spec(fmt).max_log2
         headroom = top - y
-        if headroom <= 0 or headroom > cfg.drift_forecast_max_bits:
+        if headroom <= 0 or headroom > cfg.drift.forecast_max_bits:
             return None
         xs = np.array([p[0] for p in tr], dtype=np.float64)
         ys = np.array([p[1] for p in tr], dtype=np.float64)
@@ -189,21 +189,21 @@ class DriftDetector(Detector):
             return None
         if ys[-1] <= ys[0] or np.ptp(xs) == 0:   # cheap pre-check before the O(n^2) fit
             return None
-        if _kendall_tau(xs, ys) < cfg.drift_forecast_min_tau:
+        if _kendall_tau(xs, ys) < cfg.drift.forecast_min_tau:
             return None
-        slope, lo, _ = theil_sen(ys, xs, cfg.drift_forecast_confidence)
+        slope, lo, _ = theil_sen(ys, xs, cfg.drift.forecast_confidence)
         if not (lo > 0 and slope > 0):
             return None
         steps = headroom / slope
-        if steps > cfg.drift_forecast_horizon:
+        if steps > cfg.drift.forecast_horizon:
             return None
         msg = (f"{role} absmax*scale {2.0 ** y:.4g} grows {slope:.3g} bits/step (Theil-Sen over "
-               f"the last {len(tr)} samples, {cfg.drift_forecast_confidence:.0%} lower bound "
+               f"the last {len(tr)} samples, {cfg.drift.forecast_confidence:.0%} lower bound "
                f"{lo:.3g}); it reaches the {fmt} max {spec(fmt).max:g} in about {steps:.0f} "
                f"steps (step ~{frame.step + steps:.0f}); headroom {headroom:.1f} bits")
         return Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                      module=module, tensor=role, stat=f"{fmt}_steps_to_overflow", value=steps,
-                     threshold=float(cfg.drift_forecast_horizon), message=msg, rank=frame.rank,
+                     threshold=float(cfg.drift.forecast_horizon), message=msg, rank=frame.rank,
                      extra={"slope_bits_per_step": slope, "headroom_bits": headroom,
                             "overflow_step": frame.step + steps})
 

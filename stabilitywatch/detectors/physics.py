@@ -10,7 +10,7 @@ optimizer steps s0 .. s1-1 lie between them) every element moved at most
   read on every step in between (the every-step sentinel, `frame.sentinel`, or every step
   sampled);
 and a tensor's max and min move by no more than its largest element does. A max or min that
-moved more than `weight_update_margin` times that bound was written by something other than the
+moved more than `update.weight_margin` times that bound was written by something other than the
 optimizer: a bad write or silent data corruption (critical, stat `update_bound`). The learning
 rate comes from the optimizer's param_groups on the host, the largest seen while the frames of
 s0 .. s1 were judged (a scheduler that lowers it does not shrink the bound); a tensor lr is read
@@ -77,7 +77,7 @@ class PhysicsDetector(Detector):
     name = "physics"
 
     def __init__(self, config: Config, optimizer, modules: list):
-        self.margin = config.weight_update_margin
+        self.margin = config.update.weight_margin
         self.opt = optimizer
         self.kind = _kind(optimizer)
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}

@@ -27,14 +27,15 @@ class RangeDetector(Detector):
             if fmt is None:
                 continue
             d = frame.derived(i)
-            if d["finite"] < cfg.min_numel:
+            if d["finite"] < cfg.range.min_numel:
                 continue
             scale = frame.scales[i]
             f = spec(fmt)
             over = d[f"{fmt}_overflow_frac"]
-            sev = _severity(over, cfg.overflow_warn, cfg.overflow_critical)
+            sev = _severity(over, cfg.range.overflow_warn, cfg.range.overflow_critical)
             if sev is not None:
-                thr = cfg.overflow_critical if sev is Severity.CRITICAL else cfg.overflow_warn
+                rng = cfg.range
+                thr = rng.overflow_critical if sev is Severity.CRITICAL else rng.overflow_warn
                 msg = (f"{int(d[f'{fmt}_overflow'])} of {int(d['finite'])} values "
                        f"({over:.3%}) exceed the {fmt} max {f.max:g} at scale {scale:g} "
                        f"(absmax {d['absmax']:.4g}, headroom {_bits(d[f'{fmt}_headroom_bits'])})")
@@ -42,9 +43,10 @@ class RangeDetector(Detector):
                                  module=module, tensor=role, stat=f"{fmt}_overflow_frac",
                                  value=over, threshold=thr, message=msg, rank=frame.rank))
             under = d[f"{fmt}_underflow_frac"]
-            sev = _severity(under, cfg.underflow_warn, cfg.underflow_critical)
+            sev = _severity(under, cfg.range.underflow_warn, cfg.range.underflow_critical)
             if sev is not None:
-                thr = cfg.underflow_critical if sev is Severity.CRITICAL else cfg.underflow_warn
+                rng = cfg.range
+                thr = rng.underflow_critical if sev is Severity.CRITICAL else rng.underflow_warn
                 nonzero = d["finite"] - d["zeros"]
                 msg = (f"{int(d[f'{fmt}_underflow'])} of {int(nonzero)} nonzero values "
                        f"({under:.3%}) round to zero in {fmt} at scale {scale:g} "

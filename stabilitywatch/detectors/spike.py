@@ -1,22 +1,22 @@
 """Spikes: the loss, gradient norms (global and per layer), attention-logit growth and output-logit
 divergence (Wortsman et al. 2023, arXiv 2309.14322).
 
-- loss (module "", every step): spike when loss - level > max(spike_z * noise,
-  spike_loss_rel * |level|), level being the lower of the median of the previous `spike_window`
-  losses and the median of the last `spike_loss_recent` (the recent trend: early in training the
+- loss (module "", every step): spike when loss - level > max(spike.z * noise,
+  spike.loss_rel * |level|), level being the lower of the median of the previous `spike.window`
+  losses and the median of the last `spike.loss_recent` (the recent trend: early in training the
   window's median lags far above a falling loss), noise the step-to-step scale 1.4826 *
   MAD(successive differences about their median) / sqrt(2) (a falling loss does not inflate it);
 - gradient norms (on steps that read gradients): the global L2 norm (module "", role
   `grad_norm`, the same number as stats.jsonl) and each module's, in log2: spike when
-  log2(g) - median > max(spike_z * noise, spike_grad_bits or, per layer,
-  spike_layer_grad_bits). Per-layer spikes are info alerts (one small module's norm - a
+  log2(g) - median > max(spike.z * noise, spike.grad_bits or, per layer,
+  spike.layer_grad_bits). Per-layer spikes are info alerts (one small module's norm - a
   LayerNorm, a bias - is too noisy for a warning), and the global alert names the layer with
   the largest jump;
 - attention logits (role `attn_logits`, see hooks/logits.py): warning when max |logit| passes
-  `spike_attn_logit_max`, or has grown `spike_attn_growth_bits` above the median of its first
-  `spike_min_history` samples while above `spike_attn_floor`;
-- output logits (role `logz`): warning when mean log Z moved `spike_logz_drift` nats from the
-  median of its first `spike_min_history` samples.
+  `spike.attn_logit_max`, or has grown `spike.attn_growth_bits` above the median of its first
+  `spike.min_history` samples while above `spike.attn_floor`;
+- output logits (role `logz`): warning when mean log Z moved `spike.logz_drift` nats from the
+  median of its first `spike.min_history` samples.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class SpikeDetector(Detector):
     def _window(self, key) -> Window:
         w = self._win.get(key)
         if w is None:
-            w = self._win[key] = Window(self.cfg.spike_window, early=self.cfg.spike_min_history)
+            w = self._win[key] = Window(self.cfg.spike.window, early=self.cfg.spike.min_history)
         return w
 
     def check(self, frame: StatsFrame) -> list[Alert]:
@@ -87,20 +87,20 @@ class SpikeDetector(Detector):
     def _loss(self, frame, loss):
         cfg, w = self.cfg, self._window(("", "loss"))
         alert = None
-        if len(w) >= cfg.spike_min_history:
+        if len(w) >= cfg.spike.min_history:
             med, sigma = w.noise()
             # while the loss falls (early training) the window's median lags far above it:
             # judge against the recent level too, whichever is lower
-            recent = w.recent(cfg.spike_loss_recent)
+            recent = w.recent(cfg.spike.loss_recent)
             base = min(med, recent)
-            thr = max(cfg.spike_z * sigma, cfg.spike_loss_rel * abs(base), 1e-12)
+            thr = max(cfg.spike.z * sigma, cfg.spike.loss_rel * abs(base), 1e-12)
             if loss - base > thr:
                 level = (f"its median {med:.4g} over the last {len(w)} steps" if base == med else
                          f"its recent level {recent:.4g} (median of the last "
-                         f"{min(len(w), cfg.spike_loss_recent)} steps; {med:.4g} over the last "
+                         f"{min(len(w), cfg.spike.loss_recent)} steps; {med:.4g} over the last "
                          f"{len(w)})")
                 msg = (f"loss {loss:.4g} is {loss - base:.3g} above {level} (threshold "
-                       f"+{thr:.3g}: max({cfg.spike_z:g} robust sigma, {cfg.spike_loss_rel:g} x "
+                       f"+{thr:.3g}: max({cfg.spike.z:g} robust sigma, {cfg.spike.loss_rel:g} x "
                        f"|level|))")
                 alert = Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                               module="", tensor="loss", stat="loss", value=loss,
@@ -116,9 +116,9 @@ class SpikeDetector(Detector):
         if x is None:
             return None
         w, res = self._window(key), None
-        if len(w) >= self.cfg.spike_min_history:
+        if len(w) >= self.cfg.spike.min_history:
             med, sigma = w.noise()
-            thr = max(self.cfg.spike_z * sigma, min_bits)
+            thr = max(self.cfg.spike.z * sigma, min_bits)
             res = (x - med, thr, 2.0 ** med)
         w.push(x)
         return res
@@ -126,11 +126,11 @@ class SpikeDetector(Detector):
     def _grad_spikes(self, frame, total, per):
         layer = {}
         for m, g in per.items():
-            j = self._jump((m, "grad"), g, self.cfg.spike_layer_grad_bits)
+            j = self._jump((m, "grad"), g, self.cfg.spike.layer_grad_bits)
             if j is not None and j[0] > j[1]:
                 layer[m] = (g, j)
         out = []
-        j = self._jump(("", "grad_norm"), total, self.cfg.spike_grad_bits)
+        j = self._jump(("", "grad_norm"), total, self.cfg.spike.grad_bits)
         global_spike = j is not None and j[0] > j[1]
         if global_spike:
             top = max(layer, key=lambda m: layer[m][1][0], default=None)
@@ -161,20 +161,20 @@ class SpikeDetector(Detector):
             return None
         w.push(math.log2(amax))
         base = 2.0 ** w.baseline if not math.isnan(w.baseline) else math.nan
-        grown = (not math.isnan(base) and amax >= cfg.spike_attn_floor
-                 and math.log2(amax / base) >= cfg.spike_attn_growth_bits)
-        if amax <= cfg.spike_attn_logit_max and not grown:
+        grown = (not math.isnan(base) and amax >= cfg.spike.attn_floor
+                 and math.log2(amax / base) >= cfg.spike.attn_growth_bits)
+        if amax <= cfg.spike.attn_logit_max and not grown:
             return None
-        why = (f"above {cfg.spike_attn_logit_max:g}" if amax > cfg.spike_attn_logit_max else
+        why = (f"above {cfg.spike.attn_logit_max:g}" if amax > cfg.spike.attn_logit_max else
                f"x{amax / base:.1f} its early median {base:.3g} (threshold "
-               f"x{2 ** cfg.spike_attn_growth_bits:g} above {cfg.spike_attn_floor:g})")
+               f"x{2 ** cfg.spike.attn_growth_bits:g} above {cfg.spike.attn_floor:g})")
         msg = (f"attention-logit growth: max |q.k|/sqrt(d) = {amax:.4g}, {why}; large attention "
                f"logits collapse the softmax to one-hot and precede divergence (Wortsman et al. "
                f"2023); qk-layernorm or a lower learning rate keeps them bounded")
         return Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                      module=module, tensor="attn_logits", stat="absmax", value=amax,
-                     threshold=cfg.spike_attn_logit_max if amax > cfg.spike_attn_logit_max
-                     else base * 2 ** cfg.spike_attn_growth_bits, message=msg, rank=frame.rank,
+                     threshold=cfg.spike.attn_logit_max if amax > cfg.spike.attn_logit_max
+                     else base * 2 ** cfg.spike.attn_growth_bits, message=msg, rank=frame.rank,
                      extra={"early_median": base})
 
     def _logz(self, frame, module, mean):
@@ -182,12 +182,12 @@ class SpikeDetector(Detector):
         if not math.isfinite(mean):
             return None
         w.push(mean)
-        if math.isnan(w.baseline) or abs(mean - w.baseline) <= cfg.spike_logz_drift:
+        if math.isnan(w.baseline) or abs(mean - w.baseline) <= cfg.spike.logz_drift:
             return None
         msg = (f"output-logit divergence: mean log Z {mean:.4g} moved {mean - w.baseline:+.3g} "
-               f"nats from its early median {w.baseline:.4g} (threshold {cfg.spike_logz_drift:g}); "
+               f"nats from its early median {w.baseline:.4g} (threshold {cfg.spike.logz_drift:g}); "
                f"a z-loss (1e-4 * log Z^2) keeps it near 0 (Wortsman et al. 2023)")
         return Alert(step=frame.step, detector=self.name, severity=Severity.WARNING,
                      module=module, tensor="logz", stat="mean", value=mean,
-                     threshold=cfg.spike_logz_drift, message=msg, rank=frame.rank,
+                     threshold=cfg.spike.logz_drift, message=msg, rank=frame.rank,
                      extra={"early_median": w.baseline})

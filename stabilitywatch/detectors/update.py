@@ -3,7 +3,8 @@ sampled steps by hooks/update.py; W is the weight at the step's start, from its 
 
 Large Adam update-norm spikes come before loss and gradient-norm spikes in large runs. Per
 module, log2 of the ratio is judged against its level, the higher of the medians of its last
-`update_window` and last `spike_loss_recent` samples (a warm-up raises it steadily): a warning when it is more than max(`update_spike_bits`, spike_z x the step-to-step noise) bits
+`update.window` and last `spike.loss_recent` samples (a warm-up raises it steadily): a
+warning when it is more than max(`update.spike_bits`, spike.z x the step-to-step noise) bits
 above (x8 by default). Updates of zero (a skipped step, a frozen module) are not judged.
 """
 from __future__ import annotations
@@ -67,17 +68,17 @@ class UpdateDetector(Detector):
                 continue
             win = self._win.get(m)
             if win is None:
-                win = self._win[m] = Window(cfg.update_window)
-            if len(win) >= cfg.update_min_history:
+                win = self._win[m] = Window(cfg.update.window)
+            if len(win) >= cfg.update.min_history:
                 med, sigma = win.noise()
                 # a warm-up raises the ratio steadily: judge a jump against the recent level
                 # too (the higher of the two), not only the window's lagging median
-                med = max(med, win.recent(cfg.spike_loss_recent))
-                thr = max(cfg.update_spike_bits, cfg.spike_z * sigma)
+                med = max(med, win.recent(cfg.spike.loss_recent))
+                thr = max(cfg.update.spike_bits, cfg.spike.z * sigma)
                 if x - med > thr:
                     msg = (f"optimizer update of {m or '<model>'}: ||dW|| / ||W|| = {ratio:.3g} is "
                            f"x{2 ** (x - med):.1f} its level {2 ** med:.3g} (the higher median "
-                           f"of the last {len(win)} and the last {cfg.spike_loss_recent} sampled "
+                           f"of the last {len(win)} and the last {cfg.spike.loss_recent} sampled "
                            f"steps; threshold x{2 ** thr:.1f}); update-norm "
                            f"spikes precede loss spikes: check the learning rate, the gradient "
                            f"and the optimizer state of this module")

@@ -2,7 +2,7 @@
 
 Lockstep. A collective must be entered by every rank the same number of times, in the same
 order, whatever each rank saw. So nothing here depends on timing, data or alerts:
-- a flush happens at every `dist_flush_every`-th step end, counted on each rank (all ranks run
+- a flush happens at every `dist.flush_every`-th step end, counted on each rank (all ranks run
   the same number of `mon.step` blocks, as they must for their own collectives), and at close();
 - a flush carries the frames of exactly the step ends before the current one (not the one just
   ended, whose device copies may still be in flight): on CUDA they were queued a step earlier,
@@ -11,13 +11,13 @@ order, whatever each rank saw. So nothing here depends on timing, data or alerts
 - rows are identified by a hash of (module, role), not by slot numbers (which follow first touch
   and may differ between ranks); a row missing on a rank is simply absent from its payload,
   which is the identity of the merge;
-- each flush (dist_merge="reduce", the default) is a few all-reduces of tensors whose shapes
+- each flush (dist.merge="reduce", the default) is a few all-reduces of tensors whose shapes
   every rank knows (rounds.py): the payload per rank does not grow with the world size; with
-  dist_merge="gather" it is one fixed-size all-gather (`wire.py`), repeated once with a larger
+  dist.merge="gather" it is one fixed-size all-gather (`wire.py`), repeated once with a larger
   size only when some rank's rows outgrow the agreed one;
 - detectors, alerts, captures and sinks run after the collective and never add or skip one.
 
-Failure. A collective that fails or takes longer than `dist_timeout` (a rank died, or left)
+Failure. A collective that fails or takes longer than `dist.timeout` (a rank died, or left)
 detaches the monitor from the others: from then on each rank reads its own frames and writes
 them to its own files (`alerts.rank{r}.jsonl`...), with a warning. A rank that closes tells
 the others in its last payload, and they detach at once instead of waiting for a timeout.
@@ -59,7 +59,7 @@ def dist_info() -> tuple[int, int]:
 
 
 class Coordinator:
-    """One process, or ranks that exchange nothing (dist_mode="per_rank" without divergence):
+    """One process, or ranks that exchange nothing (dist.mode="per_rank" without divergence):
     frames pass straight through; DTensors are read as their local shard."""
 
     active = False
@@ -100,16 +100,16 @@ class DistCoordinator(Coordinator):
         self._dist = dist
         cfg = run.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mode: DistMode = cfg.dist_mode
-        self.every = cfg.dist_flush_every
-        self.compare = cfg.dist_divergence
-        self.timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+        self.mode: DistMode = cfg.dist.mode
+        self.every = cfg.dist.flush_every
+        self.compare = cfg.dist.divergence
+        self.timeout = datetime.timedelta(seconds=cfg.dist.timeout)
         # gradients read before DDP's all-reduce (no optimizer: post-accumulate hooks) differ
         self.grads_replicated = run.has_optimizer
         self.merge: DistMerge = cfg.dist_merge
         self.group = None
         self.device = torch.device("cpu")
-        if cfg.dist_backend is DistBackend.GLOO:
+        if cfg.dist.backend is DistBackend.GLOO:
             # a CPU side group: our collectives never queue behind (or between) the job's own,
             # and never wait for the GPU. Making it is a collective: watch() runs on every rank.
             self.group = dist.new_group(backend="gloo", timeout=self.timeout)
@@ -303,7 +303,7 @@ class DistCoordinator(Coordinator):
 
     def sink_config(self, config):
         if self.mode is DistMode.RANK0 and self.rank != 0:
-            return config.replace(sinks=tuple(s for s in config.sinks if s in LAZY_SINKS))
+            return config.replace(sinks=tuple(s for s in config.sinks.use if s in LAZY_SINKS))
         return config
 
     def record_fields(self, frame) -> dict:
@@ -370,6 +370,6 @@ class DistCoordinator(Coordinator):
 def make_coordinator(run: RunInfo) -> Coordinator:
     rank, world = dist_info()
     cfg = run.config
-    if world <= 1 or (cfg.dist_mode is DistMode.PER_RANK and not cfg.dist_divergence):
+    if world <= 1 or (cfg.dist.mode is DistMode.PER_RANK and not cfg.dist.divergence):
         return Coordinator(run)
     return DistCoordinator(run)

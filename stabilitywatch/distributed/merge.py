@@ -1,6 +1,6 @@
 """Turning the payloads of one flush into frames (host side, numpy, no collectives).
 
-`merged_frames` (dist_mode="rank0", on rank 0): one frame per step that any rank ended, its rows
+`merged_frames` (dist.mode="rank0", on rank 0): one frame per step that any rank ended, its rows
 merged across ranks by kind:
 - LOCAL rows (activations, their gradients, the loss, the batch: different data on each rank)
   merge with `merge_rows` (sums add, min/max combine, histograms add): the statistics of the
@@ -11,7 +11,7 @@ merged across ranks by kind:
 - REPLICATED rows (parameters, gradients after all-reduce, optimizer state under DDP) are the
   merging rank's own row; every rank's fingerprint rides along in `DistFrame.replicas` for the
   divergence detector.
-`local_frames` (dist_mode="per_rank"): each rank's own frames with the replicas attached.
+`local_frames` (dist.mode="per_rank"): each rank's own frames with the replicas attached.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def _stack(parts: list, width: int) -> np.ndarray:
 
 
 def local_frames(payloads: list, local: list, rank: int, world: int) -> list:
-    """This rank's own frames (dist_mode="per_rank"), with every rank's fingerprints of its
+    """This rank's own frames (dist.mode="per_rank"), with every rank's fingerprints of its
     replicated rows attached."""
     fps: dict[tuple[int, int], dict] = {}
     for p in payloads:

@@ -7,7 +7,7 @@
    adds its own) or the new names are gathered once (all-gather, the only one, at the first
    flush of a new module), and round 1 runs again on the grown table.
 2. MAX of the present rows' metadata and MIN/MAX statistics (and tripped step ends' sentinels).
-3. SUM of their sums, re-expressed at the shift round 2 agreed on (dist_mode="rank0" only).
+3. SUM of their sums, re-expressed at the shift round 2 agreed on (dist.mode="rank0" only).
 4. Only when a replicated row's digests differ (the MIN and MAX of the ranks' digests): MAX of
    the ids of the ranks at either extreme, then SUM of how many ranks sit at each extreme and of
    the two lowest such ranks' fingerprints (every other rank adds zeros): those ranks' details,

@@ -1,4 +1,4 @@
-"""What one rank puts into a flush all-gather (dist_merge="gather"), as bytes, and how they are
+"""What one rank puts into a flush all-gather (dist.merge="gather"), as bytes, and how they are
 read back; the key hashes and fingerprint fields every merge uses.
 
 Every rank contributes a buffer of the same agreed size (`capacity` bytes, identical on all

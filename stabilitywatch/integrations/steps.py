@@ -78,8 +78,8 @@ def trainer_config(config: Optional[Config], rank: int, wandb: bool) -> Config:
     changes: dict = {}
     if config.rank is None and rank:
         changes["rank"] = int(rank)
-    if wandb and "wandb" not in config.sinks:
-        changes["sinks"] = tuple(config.sinks) + ("wandb",)
+    if wandb and "wandb" not in config.sinks.use:
+        changes["sinks"] = config.sinks.use + ("wandb",)
     return config.replace(**changes) if changes else config
 
 

@@ -14,7 +14,7 @@ The errors are not computed on the host: each shadow call records statistics row
 monitor's buffer - `shadow.output` (the replica's output), `shadow.error` (live - shadow) and
 `shadow.ulp` (|live - shadow| in units in the last place of the live dtype) - and the host derives
 relative L2 error, SQNR, cosine, max abs and max ULP error from them (shadow/metrics.py).
-With `shadow_model`, a hook on the root module re-runs the whole model the same way; the shadowed
+With `shadow.model`, a hook on the root module re-runs the whole model the same way; the shadowed
 modules then also get `shadow.model.*` rows: the error accumulated up to each of them.
 """
 from __future__ import annotations
@@ -40,20 +40,20 @@ log = logging.getLogger("stabilitywatch")
 
 def shadow_targets(model: nn.Module, config: Config,
                    watched: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Modules that get a replica: `shadow_modules` globs, else the watched modules."""
-    if not config.shadow_modules:
+    """Modules that get a replica: `shadow.modules` globs, else the watched modules."""
+    if not config.shadow.modules:
         return [(n, m) for n, m in watched if n != ""]
-    hits = {p: 0 for p in config.shadow_modules}
+    hits = {p: 0 for p in config.shadow.modules}
     out = []
     for name, mod in model.named_modules():
-        for p in config.shadow_modules:
+        for p in config.shadow.modules:
             if fnmatch.fnmatchcase(name, p):
                 hits[p] += 1
                 if not out or out[-1][0] != name:
                     out.append((name, mod))
     missing = [p for p, n in hits.items() if n == 0]
     if missing:
-        raise ValueError(f"stabilitywatch: Config.shadow_modules pattern(s) {missing} match no "
+        raise ValueError(f"stabilitywatch: Config.shadow.modules pattern(s) {missing} match no "
                          f"module of the model")
     return out
 
@@ -78,7 +78,7 @@ class ShadowRunner:
                  record: Callable, watched: set[str]):
         self.model, self.config, self.targets = model, config, targets
         self.record, self.watched = record, watched
-        self.dtype = torch.float64 if config.shadow_dtype == "fp64" else torch.float32
+        self.dtype = torch.float64 if config.shadow.dtype == "fp64" else torch.float32
         self.every = config.shadow_every
         self.running = False
         self.active = False
@@ -95,7 +95,7 @@ class ShadowRunner:
         for name, mod in self.targets:
             self.handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self.handles.append(mod.register_forward_hook(self._post(name, mod), with_kwargs=True))
-        if self.config.shadow_model:
+        if self.config.shadow.model:
             self.handles.append(self.model.register_forward_pre_hook(self._pre(""),
                                                                      with_kwargs=True))
             self.handles.append(self.model.register_forward_hook(self._root_post,
@@ -136,7 +136,7 @@ class ShadowRunner:
                     live = self._stash[name].pop(0)
                     self._guard(name, self._compare, name, live, output, "shadow.model")
                 return None
-            if self.config.shadow_model:
+            if self.config.shadow.model:
                 self._stash.setdefault(name, []).append(
                     [(sfx, t.detach()) for sfx, t in float_tensors(output)])
             self._guard(name, self._local, name, mod, args, kwargs, output)

@@ -39,7 +39,7 @@ class Child:
 
     timeout = 120.0   # seconds a reply may take before the writer counts as hung
     # seconds the writer may take no input before it counts as hung: below the sink runner's
-    # timeout (Config.sink_timeout, 10 s), so that a stuck writer costs the sink its statistics,
+    # timeout (Config.sinks.timeout, 10 s), so that a stuck writer costs the sink its statistics,
     # not its alerts
     send_timeout = 5.0
 

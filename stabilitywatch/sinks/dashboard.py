@@ -42,7 +42,7 @@ def metric_key(role: str, stat: str, module: str) -> str:
 class Dashboard:
     """The keys of one record: a fixed small set per (module, role) by default, more on request.
 
-    `stats` entries (Config.dashboard_stats): "default" (the set above), a statistic name or
+    `stats` entries (Config.sinks.dashboard_stats): "default" (the set above), a statistic name or
     glob ("mean", "e5m2_*") added for every role the default set shows, or "ROLE:STAT" globs
     ("grad*:std", "*bias:absmax", "shadow.*:*") that also reach roles the default leaves out.
     """
@@ -58,8 +58,8 @@ class Dashboard:
 
     @classmethod
     def from_config(cls, config) -> "Dashboard":
-        stats = config.wandb_stats or config.dashboard_stats
-        return cls(stats, config.formats, config.dashboard_histograms)
+        stats = config.sinks.dashboard_stats
+        return cls(stats, config.formats, config.sinks.dashboard_histograms)
 
     def stats_for(self, role: str, available: Iterable[str]) -> tuple[str, ...]:
         """The statistics shown for this role (those of `available` the entries select)."""
@@ -182,6 +182,8 @@ def run_config(config, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, enum.Enum):
         return _plain(v.value)
     if isinstance(v, bool) or v is None or isinstance(v, (int, str)):

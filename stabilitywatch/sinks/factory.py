@@ -13,7 +13,7 @@ log = logging.getLogger("stabilitywatch")
 
 def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> list[Sink]:
     sinks: list[Sink] = []
-    for name in config.sinks:
+    for name in config.sinks.use:
         if isinstance(name, Sink):
             sinks.append(name)
             continue
@@ -27,8 +27,9 @@ def make_sinks(config: Config, run_dir: Path, rank: int, world_size: int) -> lis
                 sinks.append(ConsoleSink(min_severity="warning"))
             elif name == "wandb":
                 from .wandb_sink import WandbSink
-                sinks.append(WandbSink(run_dir, project=config.wandb_project, config=config,
-                                       rank=rank, world_size=world_size, run=config.wandb_run))
+                sinks.append(WandbSink(run_dir, project=config.sinks.wandb_project,
+                                       config=config, rank=rank, world_size=world_size,
+                                       run=config.sinks.wandb_run))
             elif name == "tensorboard":
                 from .tensorboard_sink import TensorBoardSink
                 sinks.append(TensorBoardSink(run_dir, config=config, rank=rank,

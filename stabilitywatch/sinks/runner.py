@@ -24,8 +24,8 @@ from .worker import ABANDONED, OK, TIMED_OUT, Worker
 
 log = logging.getLogger("stabilitywatch")
 
-SINK_TIMEOUT = 10.0         # seconds a log/alert/flush call may take (Config.sink_timeout)
-CLOSE_TIMEOUT = 30.0        # seconds close() may take in all (Config.sink_close_timeout)
+SINK_TIMEOUT = 10.0         # seconds a log/alert/flush call may take (Config.sinks.timeout)
+CLOSE_TIMEOUT = 30.0        # seconds close() may take in all (Config.sinks.close_timeout)
 
 
 class SinkRunner:

@@ -5,7 +5,7 @@ commits a row: each step's values go into the row your next `wandb.log` commits
 (`commit=False`), one step of the monitor per row, plotted against the sink's own x-axis
 `sw/step` (`define_metric`), so `wandb.log(..., step=step)` keeps every point. It attaches to
 `wandb.run` whenever there is one, also one you start after `watch()`, and holds what comes
-before (it never starts a run your `wandb.init` would then run into). See Config.wandb_run.
+before (it never starts a run your `wandb.init` would then run into). See Config.sinks.wandb_run.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Alerts wait in a queue of their own, unbounded (alerts are few; one is never dropped for lack of
 room) and go to the sink before statistics; batches of statistics records wait in a queue of
-`queue_size` batches, and a batch that finds it full is dropped (counted). The training thread
+`sinks.queue_size` batches, and a batch that finds it full is dropped (counted). The training thread
 only appends under `cond`, which is never held while the sink runs.
 
 A sink is switched off when a call raises anything (BaseException included: SystemExit ends a

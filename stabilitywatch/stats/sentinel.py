@@ -81,7 +81,7 @@ class SentinelFrame:
     # ranks > 1: some rank's gradients were not finite (the flag reduced on the device)
     any_rank_bad: Optional[bool] = None
     bad_rank: Optional[int] = None     # then: the highest rank whose gradients were not finite
-    # the guard skipped the step's optimizer update (on_nonfinite="skip")
+    # the guard skipped the step's optimizer update (guard.on_nonfinite="skip")
     skipped: bool = False
 
     @property
