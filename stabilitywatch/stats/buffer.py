@@ -14,7 +14,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..kernels.dispatch import accumulate, accumulate_many, batchable, tileable, viewable
+from ..kernels.dispatch import (accumulate, accumulate_each, accumulate_many, batchable, tileable,
+                                viewable)
 from .derive import derive_many
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
 from .sentinel import SentinelFrame
@@ -241,9 +242,8 @@ class StatsBuffer:
                 self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
             for k, slot in plan.singles:
-                t, _, _, scale = items[k]
-                self._dev[t.device].mark(slot, slot + 1)
-                accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
+                self._dev[items[k][0].device].mark(slot, slot + 1)
+            self._accumulate_singles(items, plan.singles)
             return
         if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
             # a row written twice: the last write wins, as with add() one after the other (a
@@ -266,7 +266,7 @@ class StatsBuffer:
                 ks.append(k)
             else:
                 singles.append((k, slot))
-                accumulate(t, row, scale, self.backend)
+        self._accumulate_singles(items, singles)
         launches = []
         for device, (ts, ss, ks) in groups.items():
             # after every _prepare: rows may have grown (a new tensor) while preparing
@@ -275,6 +275,11 @@ class StatsBuffer:
         if sig is not None and len(set(slots)) == len(slots):
             span = (min(slots), max(slots) + 1) if slots else (0, 0)
             self._plans[(phase, overwrite)] = _ManyPlan(*sig, slots, launches, singles, span)
+
+    def _accumulate_singles(self, items: list, singles: list) -> None:
+        # one call for all: CPU tensors share the CPU path's passes (kernels/dispatch.py)
+        accumulate_each([(items[k][0], self._dev[items[k][0].device].rows, slot, items[k][3])
+                         for k, slot in singles], self.backend)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
