@@ -160,20 +160,44 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     ab, tmp, mask = sc.ab[:n], sc.tmp[:n], sc.mask[:n]
     np.bitwise_and(b, w.int(w.mag), out=ab)   # |x| as bits
 
+    # exponent field counts: the histogram, and most counts below without a pass of their own
+    np.right_shift(ab, w.exp_shift, out=tmp)
+    if seg is None:
+        ecount = _bincount(tmp, w.n_exp)
+    else:
+        idx = sc.idx[:n]
+        np.multiply(seg, w.n_exp, out=idx)
+        np.add(idx, tmp, out=idx)
+        ecount = _bincount(idx, nseg * w.n_exp)
+    ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
+    # beyond[:, e]: values whose exponent field exceeds e
+    beyond = np.zeros((nseg, w.n_exp), dtype=np.float64)
+    beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
+    occupied = ecount.any(axis=0)
+
+    def above_x(tbits):
+        # above_of(ab, tbits), from the exponent counts where no value shares T's exponent
+        e_t = tbits >> w.exp_shift
+        res = beyond[:, e_t]
+        need = np.flatnonzero(occupied[e_t])
+        if need.size:
+            res[:, need] = above_of(ab, tbits[need])
+        return res
+
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
     # above every one (|x * s| is NaN or Inf), so both come back out by their counts.
     xt = [0, w.inf - 1, w.inf]                 # nonzero, non-finite, NaN
     tbits, index = _thresholds(w)
     if scale == 1.0:
         both = np.array(sorted(set(xt) | set(tbits.tolist())), dtype=w.int)
-        above = above_of(ab, both)
+        above = above_x(both)
         pos = np.searchsorted(both, xt)
         ax, af = above[:, pos], above[:, np.searchsorted(both, tbits)]
     else:
         y = sc.d[:n].view(w.float)[:n] if w is _F32 else sc.sq[:n]
         np.multiply(x, w.float(scale), out=y)
         np.abs(y, out=y)
-        ax, af = above_of(ab, np.array(xt, dtype=w.int)), above_of(y.view(w.int), tbits)
+        ax, af = above_x(np.array(xt, dtype=w.int)), above_of(y.view(w.int), tbits)
     nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
     zeros = sizes - nonzero
     if nonfinite.any():
@@ -189,6 +213,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     # af[:, j] over finite nonzero x only
     af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
     fnz = nonzero - nonfinite
+    fnz_all = sizes - nonfinite          # finite values, zeros included
     for fmt in ROW_FORMATS:
         j_max, j_under, j_normal = index[fmt]
         base = FMT_BASE[fmt]
@@ -196,16 +221,6 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         out[:, base + 1] = fnz - af[:, j_under]
         out[:, base + 2] = af[:, j_under] - af[:, j_normal]
 
-    # histogram of floor(log2|x|): the exponent field, folded onto the bins
-    np.right_shift(ab, w.exp_shift, out=tmp)
-    if seg is None:
-        ecount = _bincount(tmp, w.n_exp)
-    else:
-        idx = sc.idx[:n]
-        np.multiply(seg, w.n_exp, out=idx)
-        np.add(idx, tmp, out=idx)
-        ecount = _bincount(idx, nseg * w.n_exp)
-    ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
     lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
     hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
     hist[:] = ecount[:, lo: lo + HIST_BINS]
@@ -239,7 +254,9 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         np.copyto(d, 0.0, where=~mask)
     np.multiply(d, d, out=sq)
     out[:, Stat.SHIFT] = k
-    out[:, Stat.SHIFT_SUM], out[:, Stat.SHIFT_SUMSQ] = per_seg(d), per_seg(sq)
+    # the shifted sum as the kernels take it, SUM - n K (its square sum needs its own pass)
+    out[:, Stat.SHIFT_SUM] = out[:, Stat.SUM] - fnz_all * k
+    out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
 
     # fingerprint: the low and high 16 bits of each (32-bit, NaN canonical) pattern, summed in
     # float64 (exact: each term is below 2^16)
@@ -250,6 +267,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         u = np.where(ab > w.inf, np.array(0x7FC00000, dtype=w.uint), u)
     t = tmp.view(w.uint)
     np.bitwise_and(u, w.uint(0xFFFF), out=t)
+    if seg is None:   # integer sums, exact: the high halves are the rest of the whole patterns'
+        lo16 = int(np.add.reduce(t, dtype=np.uint64))
+        out[:, Stat.BITS_LO] = lo16
+        out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
+        return out
     np.copyto(d, t, casting="unsafe")
     out[:, Stat.BITS_LO] = per_seg(d)
     np.right_shift(u, w.uint(16), out=t)
