@@ -14,7 +14,8 @@ from stabilitywatch.kernels import dispatch
 from stabilitywatch.stats import cpu
 from stabilitywatch.stats.buffer import StatsBuffer
 from stabilitywatch.stats.derive import tensor_stats
-from stabilitywatch.stats.layout import N_STATS, init_row, init_row_tensor, merge_into
+from stabilitywatch.stats.layout import (HIST_EMIN, N_STATS, Stat, init_row, init_row_tensor,
+                                         merge_into)
 from stabilitywatch.stats.reference import reference_row
 
 INF, NAN = math.inf, math.nan
@@ -202,3 +203,17 @@ def test_threads_keep_their_own_scratch():
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a thread did not finish in 60 s"
     assert not errors, errors[0]
+
+
+def test_counts_exact_past_2_pow_24():
+    n = 2**24 + 3   # not representable in float32: a float32 count would stick at 2**24
+    x = torch.full((n + 5,), 1000.0, dtype=torch.bfloat16)  # 1000 > e4m3 max
+    x[-5:] = torch.tensor([0.0, -0.0, 0.0, NAN, -INF])
+    row = cpu.cpu_row(x)
+    assert row[Stat.NUMEL] == n + 5
+    assert (row[Stat.ZEROS], row[Stat.NAN], row[Stat.NEGINF]) == (3, 1, 1)
+    assert row[Stat.E4M3_OVERFLOW] == n
+    assert row[Stat.E5M2_OVERFLOW] == row[Stat.FP16_OVERFLOW] == 0
+    assert row[Stat.HIST + (9 - HIST_EMIN)] == n  # floor(log2 1000) == 9
+    assert row[Stat.SUM] == 1000.0 * n
+    assert row[Stat.SUMSQ] == 1e6 * n

@@ -54,11 +54,20 @@ _F64 = _Work(np.float64, np.int64, np.uint64, 52, 1023, 2048, 0x7FF0000000000000
              -0x0010000000000000, 0x7FFFFFFFFFFFFFFF)
 
 
+class _Thresholds(NamedTuple):
+    fmt: np.ndarray     # sorted bit patterns T of the format thresholds
+    index: dict         # format -> (j_max, j_under, j_normal) into fmt
+    x: np.ndarray       # x's own: nonzero (> 0), non-finite (> largest finite), NaN (> inf)
+    both: np.ndarray    # fmt and x together, sorted (at scale 1 |y| is |x|: one set of passes)
+    x_at: np.ndarray    # where x's and fmt's lie in both
+    fmt_at: np.ndarray
+
+
 @functools.lru_cache(maxsize=2)
-def _thresholds(w: _Work) -> tuple[np.ndarray, dict]:
-    """The sorted bit patterns T of the format thresholds, and for each format the indices j
-    with "|y| > T[j]" meaning: overflow (> max), past underflow (> min_subnormal / 2), normal
-    (>= subnormal_limit, that is > the pattern just below it)."""
+def _thresholds(w: _Work) -> _Thresholds:
+    """For each format the indices j of fmt with "|y| > T[j]" meaning: overflow (> max), past
+    underflow (> min_subnormal / 2), normal (>= subnormal_limit, that is > the pattern just
+    below it)."""
     want = {}
     for fmt in ROW_FORMATS:
         f = FORMATS[fmt]
@@ -67,7 +76,10 @@ def _thresholds(w: _Work) -> tuple[np.ndarray, dict]:
         want[fmt] = (bits[0], bits[1], bits[2] - 1)
     t = sorted({b for v in want.values() for b in v})
     index = {fmt: tuple(t.index(b) for b in v) for fmt, v in want.items()}
-    return np.array(t, dtype=w.int), index
+    x = [0, w.inf - 1, w.inf]
+    both = np.array(sorted(set(x) | set(t)), dtype=w.int)
+    return _Thresholds(np.array(t, dtype=w.int), index, np.array(x, dtype=w.int), both,
+                       np.searchsorted(both, x), np.searchsorted(both, t))
 
 
 def _work_of(dtype: torch.dtype) -> _Work:
@@ -131,7 +143,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
     n, nseg = x.size, starts.size
     out = np.zeros((nseg, N_STATS), dtype=np.float64)
-    sizes = np.diff(np.append(starts, n))
+    sizes = np.diff(np.append(starts, n)) if nseg > 1 else np.array([n])
     seg = None
     if nseg > 1:
         seg = np.repeat(np.arange(nseg, dtype=np.int64), sizes)
@@ -186,18 +198,15 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
     # above every one (|x * s| is NaN or Inf), so both come back out by their counts.
-    xt = [0, w.inf - 1, w.inf]                 # nonzero, non-finite, NaN
-    tbits, index = _thresholds(w)
+    th = _thresholds(w)
     if scale == 1.0:
-        both = np.array(sorted(set(xt) | set(tbits.tolist())), dtype=w.int)
-        above = above_x(both)
-        pos = np.searchsorted(both, xt)
-        ax, af = above[:, pos], above[:, np.searchsorted(both, tbits)]
+        above = above_x(th.both)
+        ax, af = above[:, th.x_at], above[:, th.fmt_at]
     else:
         y = sc.d[:n].view(w.float)[:n] if w is _F32 else sc.sq[:n]
         np.multiply(x, w.float(scale), out=y)
         np.abs(y, out=y)
-        ax, af = above_x(np.array(xt, dtype=w.int)), above_of(y.view(w.int), tbits)
+        ax, af = above_x(th.x), above_of(y.view(w.int), th.fmt)
     nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
     zeros = sizes - nonzero
     if nonfinite.any():
@@ -215,7 +224,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     fnz = nonzero - nonfinite
     fnz_all = sizes - nonfinite          # finite values, zeros included
     for fmt in ROW_FORMATS:
-        j_max, j_under, j_normal = index[fmt]
+        j_max, j_under, j_normal = th.index[fmt]
         base = FMT_BASE[fmt]
         out[:, base] = af[:, j_max]
         out[:, base + 1] = fnz - af[:, j_under]
@@ -364,6 +373,9 @@ def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[i] <- merge(dst[i], src[i]) for host rows stacked along axis 0, in place: the same
     merge as layout.merge_into (dst keeps its shift when it has one, else takes src's)."""
     kd, ks = dst[:, Stat.SHIFT], src[:, Stat.SHIFT]
+    if not dst[:, Stat.NUMEL].any() and np.all((kd == 0) & np.signbit(kd)):
+        dst[:] = src    # identity rows (the usual case: a row's first tensor of the step)
+        return
     k = np.where((kd == 0) & np.signbit(kd), ks, kd)
     with np.errstate(all="ignore"):
         d = np.where((ks == 0) & np.signbit(ks), 0.0, ks - k)
