@@ -217,3 +217,49 @@ def test_counts_exact_past_2_pow_24():
     assert row[Stat.HIST + (9 - HIST_EMIN)] == n  # floor(log2 1000) == 9
     assert row[Stat.SUM] == 1000.0 * n
     assert row[Stat.SUMSQ] == 1e6 * n
+
+
+def _one_frame(buf, step, adds):
+    buf.begin_step(step)
+    for t, m, s, over in adds:
+        buf.add(t, m, "output", 2, scale=s, overwrite=over)
+    buf.end_step()
+    return buf.poll(block=True)[-1]
+
+
+def test_small_cpu_tensors_are_read_together_with_the_values_they_had_when_added():
+    # add() holds small CPU tensors' values and reads them at the step's end: a tensor changed
+    # in place after its add() (an in-place activation after a hook) keeps the added values
+    g = torch.Generator().manual_seed(8)
+    ts = [(torch.randn(n, generator=g) * 4).to(dt) for n, dt in
+          [(30, torch.float32), (5, torch.bfloat16), (cpu.SMALL, torch.float16), (1, torch.float64),
+           (cpu.SMALL + 1, torch.float32), (300, torch.float32)]]
+    want = [reference_row(t, 1.0 if i != 5 else 0.5) for i, t in enumerate(ts)]
+    first = ts[0].clone()
+    buf = StatsBuffer()
+    buf.begin_step(0)
+    for i, t in enumerate(ts):
+        buf.add(t, f"m{i}", "output", 2, scale=1.0 if i != 5 else 0.5)
+    assert buf._stage.held
+    for t in ts:
+        t.mul_(-3)
+    buf.add(ts[0], "m0", "output", 2)              # the same row again: both merge
+    buf.end_step()
+    frame = buf.poll(block=True)[0]
+    assert frame.keys == [(f"m{i}", "output") for i in range(len(ts))]
+    for i in range(1, len(ts)):
+        assert_rows_match(frame.rows[i], want[i], label=f"m{i}")
+    both = torch.cat([first, ts[0]])
+    assert_rows_match(frame.rows[0], reference_row(both), merged=True, label="m0 twice")
+
+
+def test_held_rows_and_overwrite_and_a_full_stage():
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(100, generator=g), torch.randn(40, generator=g) * 9
+    buf = StatsBuffer()
+    f = _one_frame(buf, 0, [(a, "m", 1.0, True), (b, "m", 1.0, True)])   # the last write wins
+    assert_rows_match(f.rows[0], reference_row(b), label="overwrite")
+    many = [torch.randn(cpu.SMALL, generator=g) for _ in range(2 * cpu.CHUNK // cpu.SMALL + 1)]
+    f = _one_frame(buf, 1, [(t, f"x{i}", 1.0, False) for i, t in enumerate(many)])
+    for i, t in enumerate(many):
+        assert_rows_match(f.rows[f.index(f"x{i}", "output")], reference_row(t), label=f"x{i}")

@@ -105,6 +105,15 @@ def _compiling() -> bool:
     return bool(fn and fn())
 
 
+def host_scale_of(t: torch.Tensor, rows: torch.Tensor, scale, backend: str = "auto"):
+    """The scale as the CPU path takes it (a float) when that path reads t into rows (CPU
+    tensor and rows, no kernel for it), else None."""
+    if (not _kernel_ok(t, backend) and _host_ok(t, rows.device, scale, backend)
+            and rows.dtype == torch.float64 and not rows.requires_grad):
+        return host.host_scale(scale)
+    return None
+
+
 def accumulate_each(items: list, backend: str = "auto") -> None:
     """accumulate(t, rows[slot], scale, backend) for each (t, rows, slot, scale) of items; the
     CPU tensors among them share the CPU path's passes (small tensors of one dtype and scale
@@ -113,24 +122,14 @@ def accumulate_each(items: list, backend: str = "auto") -> None:
     for t, rows, slot, scale in items:
         if t.numel() == 0:
             continue
-        if (not _kernel_ok(t, backend) and _host_ok(t, rows.device, scale, backend)
-                and rows.dtype == torch.float64 and not rows.requires_grad):
-            batch.setdefault(id(rows), (rows, []))[1].append((t, slot, host.host_scale(scale)))
+        s = host_scale_of(t, rows, scale, backend)
+        if s is not None:
+            batch.setdefault(id(rows), (rows, []))[1].append((t, slot, s))
         else:
             accumulate(t, rows[slot], scale, backend)
     for rows, todo in batch.values():
         got = host.cpu_rows([t for t, _, _ in todo], [s for _, _, s in todo])
-        dst = rows.numpy()
-        slots = np.array([slot for _, slot, _ in todo])
-        while slots.size:
-            # a row written twice takes its second tensor in the next round
-            _, first = np.unique(slots, return_index=True)
-            part = dst[slots[first]]
-            host.merge_host(part, got[first])
-            dst[slots[first]] = part
-            keep = np.ones(slots.size, dtype=bool)
-            keep[first] = False
-            slots, got = slots[keep], got[keep]
+        host.merge_at(rows.numpy(), np.array([slot for _, slot, _ in todo]), got)
 
 
 # larger tensors get their own launch (the tile kernel reads them faster); here, not in

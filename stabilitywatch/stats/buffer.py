@@ -8,19 +8,23 @@ training loop never waits for the GPU.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..kernels.dispatch import (accumulate, accumulate_each, accumulate_many, batchable, tileable,
-                                viewable)
+from ..kernels.dispatch import (accumulate, accumulate_each, accumulate_many, batchable,
+                                host_scale_of, tileable, viewable)
+from .cpu_stage import HostStage
 from .derive import derive_many
 from .layout import N_STATS, ROW_DTYPE, init_row_tensor
 from .sentinel import SentinelFrame
 from .sentinel_store import SentinelPending, SentinelStore
 
+
+log = logging.getLogger("stabilitywatch")
 
 _UNSEEN = 1 << 30  # sequence number of rows written by compiled code (order unknown)
 
@@ -192,12 +196,14 @@ class StatsBuffer:
         self._step: Optional[int] = None
         self._plans: dict = {}            # (phase, overwrite) -> _ManyPlan
         self.sentinel = SentinelStore(backend)
+        self._stage = HostStage()         # small CPU tensors of the step, read together
         self._recent: dict[int, SentinelFrame] = {}   # step -> sentinel of recently read frames
 
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._step = step
         self._touched = {}
+        self._stage.clear()   # writes outside a step: their rows are reset below
         # Only the rows written since their last reset (every write marks its device's rows, in
         # or outside a step): an unsampled step writes one or two of the ~600, and resetting
         # all took a device copy per step. Compiled code writes rows unseen: all of them.
@@ -209,7 +215,10 @@ class StatsBuffer:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
         slot, row = self._prepare(t, module, role, phase, scale, overwrite)
         try:
-            accumulate(t, row, scale, self.backend)
+            rows = self._dev[t.device].rows
+            s = host_scale_of(t, rows, scale, self.backend) if t.device.type == "cpu" else None
+            if s is None or not self._stage.put(t, slot, s, self._rows_of):
+                accumulate(t, row, scale, self.backend)
         except BaseException:
             self._drop([slot])
             raise
@@ -301,12 +310,14 @@ class StatsBuffer:
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
         elif overwrite:  # begin_step reset every row: only a second write this step needs this
+            self._flush_stage()
             row.copy_(dev.init[slot])
         return slot, row
 
     def _drop(self, slots) -> None:
         """Forget this step's writes to `slots` (a write to them failed: what the rows hold is
         unknown): the rows go back to the identity row and are not read this step."""
+        self._flush_stage()
         for slot in set(slots):
             self._touched.pop(slot, None)
             for dev in self._dev.values():
@@ -316,6 +327,7 @@ class StatsBuffer:
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
+        self._flush_stage()
         sent = self.sentinel.end_step(self._step) if self._step is not None else None
         if self._step is None or not (self._touched or self._untracked or sent):
             self._step = None
@@ -441,6 +453,23 @@ class StatsBuffer:
         self.device_of.append(None)
         self.slot_of[key] = slot
         return slot
+
+    def _rows_of(self, device: torch.device) -> torch.Tensor:
+        return self._dev[device].rows
+
+    def _flush_stage(self) -> None:
+        # the held CPU tensors' rows; a failure drops those rows from the step (as a failed
+        # add() does) and the step goes on
+        if not self._stage.held:
+            return
+        slots = self._stage.slots()
+        try:
+            self._stage.flush(self._rows_of)
+        except Exception as e:
+            log.warning("stabilitywatch: the statistics of %d CPU tensors failed (%s: %s); their "
+                        "rows are left out of this step", len(slots), type(e).__name__, e)
+            self._stage.clear()
+            self._drop(slots)
 
     def _rows_on(self, device: torch.device) -> _DeviceRows:
         d = self._dev.get(device)

@@ -392,3 +392,16 @@ def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
         np.minimum(dst[:, i], src[:, i], out=dst[:, i])
     for i in (Stat.MAX, Stat.ABSMAX):
         np.maximum(dst[:, i], src[:, i], out=dst[:, i])
+
+
+def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
+    """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
+    its second row in a second round."""
+    while slots.size:
+        _, first = np.unique(slots, return_index=True)
+        part = dst[slots[first]]
+        merge_host(part, src[first])
+        dst[slots[first]] = part
+        rest = np.ones(slots.size, dtype=bool)
+        rest[first] = False
+        slots, src = slots[rest], src[rest]
