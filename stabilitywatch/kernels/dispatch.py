@@ -87,7 +87,7 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         _triton_module().launch_row_stats(flat_view(t), row, scale)
     elif _host_ok(t, row.device, scale, backend) and row.dtype == torch.float64 \
             and not row.requires_grad:
-        host.merge_host(row.numpy().reshape(1, -1), host.cpu_rows([t], [host.host_scale(scale)]))
+        host.merge_host(host.host_view(row).reshape(1, -1), host.cpu_rows([t], [host.host_scale(scale)]))
     else:
         merge_into(row, reference_row(t, scale))
 
@@ -129,7 +129,7 @@ def accumulate_each(items: list, backend: str = "auto") -> None:
             accumulate(t, rows[slot], scale, backend)
     for rows, todo in batch.values():
         got = host.cpu_rows([t for t, _, _ in todo], [s for _, _, s in todo])
-        host.merge_at(rows.numpy(), np.array([slot for _, slot, _ in todo]), got)
+        host.merge_at(host.host_view(rows), np.array([slot for _, slot, _ in todo]), got)
 
 
 # larger tensors get their own launch (the tile kernel reads them faster); here, not in

@@ -123,7 +123,7 @@ def _load(parts: list, w: _Work, sc: _Scratch) -> np.ndarray:
     if len(parts) == 1:
         src = parts[0].detach().resolve_neg()
         if src.dtype == (torch.float64 if w is _F64 else torch.float32) and src.is_contiguous():
-            return src.reshape(-1).numpy()
+            return host_view(src.reshape(-1))
     else:
         dtype = parts[0].dtype
         staged = sc.raw[: n * parts[0].element_size()].view(dtype)
@@ -133,9 +133,15 @@ def _load(parts: list, w: _Work, sc: _Scratch) -> np.ndarray:
     return x
 
 
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (DLPack: shared, writable). CPU memory is read in
+    place; there is no device to wait for."""
+    return np.from_dlpack(t.detach())
+
+
 def _bincount(idx: np.ndarray, n: int) -> np.ndarray:
     # torch's bincount reads small integers about twice as fast as numpy's
-    return torch.bincount(torch.from_numpy(idx), minlength=n).numpy()
+    return host_view(torch.bincount(torch.from_numpy(idx), minlength=n))
 
 
 def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Work,
@@ -306,7 +312,7 @@ def host_scale(scale) -> "float | None":
     if isinstance(scale, torch.Tensor):
         if scale.device.type != "cpu":
             return None
-        scale = float(scale.detach().reshape(()).to(torch.float32).numpy())
+        scale = float(host_view(scale.detach().reshape(1).to(torch.float32))[0])
     return effective_scale(scale)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .cpu import CHUNK, SMALL, _scratch, _shift, _work_of, _rows, merge_at
+from .cpu import CHUNK, SMALL, _rows, _scratch, _shift, _work_of, host_view, merge_at
 
 _F64 = torch.float64
 
@@ -69,4 +69,4 @@ class HostStage:
                 by_dev[device][1].append(k)
             for device, (slots, ks) in by_dev.items():
                 rows: Optional[torch.Tensor] = rows_of(device)
-                merge_at(rows.numpy(), np.array(slots), got[ks])
+                merge_at(host_view(rows), np.array(slots), got[ks])
