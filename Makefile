@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VPY) -m stabilitywatch demo --out runs/demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n auto tests
+	$(VPY) -m pytest -q -n auto --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

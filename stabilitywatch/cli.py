@@ -49,7 +49,7 @@ def _demo(args) -> int:
         raise SystemExit(f"stabilitywatch demo: cannot write to --out {args.out!r}: "
                          f"{e.strerror or e}")
     r = run_demo(out, device=args.device, steps=args.steps, fault_step=args.fault_step,
-                 monitor=not args.no_monitor)
+                 monitor=not args.no_monitor, baseline=not args.no_monitor)
     print(summary(r))
     return 0
 

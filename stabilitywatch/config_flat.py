@@ -45,7 +45,7 @@ FLAT_NAMES: dict[str, str] = {
     "dashboard_stats": "sinks.dashboard_stats",
     "dashboard_histograms": "sinks.dashboard_histograms",
     **{f"dist_{n}": f"dist.{n}" for n in ("mode", "flush_every", "divergence", "backend",
-                                         "timeout")},
+                                         "timeout", "merge")},
     "on_nonfinite": "guard.on_nonfinite",
     "rerun_skipped": "guard.rerun_skipped",
 }

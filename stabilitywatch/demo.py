@@ -121,6 +121,8 @@ class DemoResult:
     ms_per_step: float
     alerts: list = field(default_factory=list)
     losses: list = field(default_factory=list)
+    # the same steps without the monitor, run just before (run_demo(baseline=True))
+    ms_per_step_unmonitored: Optional[float] = None
 
 
 def demo_config() -> Config:
@@ -133,8 +135,12 @@ def demo_config() -> Config:
 
 def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, steps: int = 40,
              fault_step: int = 25, monitor: bool = True,
-             config: Optional[Config] = None) -> DemoResult:
+             config: Optional[Config] = None, baseline: bool = False) -> DemoResult:
+    """Train the demo model for `steps` steps; baseline=True first runs the same steps without
+    the monitor, for the step time it costs (both in the result)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base = (run_demo(out, device, steps, fault_step, monitor=False).ms_per_step
+            if baseline and monitor else None)
     model = build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
@@ -169,7 +175,7 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     # mon.run_dir: where the run wrote (a sibling of `out` when `out` held a run already)
     return DemoResult(mon.run_dir if mon else Path(out), steps, fault_step, inf_step,
                       FAULT_MODULE, ms, list(mon.alerts) if mon else [],
-                      [float(x) for x in losses])
+                      [float(x) for x in losses], base)
 
 
 class _null:
@@ -197,6 +203,9 @@ def summary(r: DemoResult) -> str:
     finite = [x for x in r.losses if math.isfinite(x)]
     lines.append(f"{r.steps} steps, {r.ms_per_step:.1f} ms/step; last finite loss "
                  f"{finite[-1]:.3f}" if finite else f"{r.steps} steps")
+    if r.ms_per_step_unmonitored:
+        lines.append(f"step time: {r.ms_per_step:.1f} ms monitored, {r.ms_per_step_unmonitored:.1f} "
+                     f"ms unmonitored ({r.ms_per_step / r.ms_per_step_unmonitored:.2f}x)")
     lines.append(f"run directory: {r.run_dir.resolve()} (alerts.jsonl, stats.jsonl, run.json)")
     caps = sorted({a.capture for a in r.alerts if a.capture})
     for c in caps:  # bundles of the flagged steps: see README "Post-mortem: capture and replay"

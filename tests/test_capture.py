@@ -18,7 +18,10 @@ MANIFEST_KEYS = {"kind", "schema", "step", "rank", "world_size", "alerts", "conf
 
 
 def cfg(**kw):
-    capture = {"snapshot": "sampled", **kw.pop("capture", {})}
+    capture = kw.pop("capture", {})
+    if isinstance(capture, (tuple, list)):   # a list is short for the triggers
+        capture = {"triggers": tuple(capture)}
+    capture = {"snapshot": "sampled", **capture}
     return sw.Config(**{"every": 1, "sinks": ("jsonl",), "capture": capture, **kw})
 
 

@@ -213,8 +213,12 @@ def test_compute_row_backends(dname):
     x = make(DTYPES[dname], "slice33x65", "mixed", seed=3)
     want = reference_row(x, 3.0)
     assert_rows_match(dispatch.compute_row(x, 3.0, backend="triton"), want, label="triton")
-    # on the CPU "auto" and "torch" are the reference itself, bit for bit
-    assert torch.equal(dispatch.compute_row(x, 3.0), want)
+    # on the CPU "auto" is the CPU path (stats/cpu.py: the reference's numbers, sums to
+    # rounding) and "torch" the reference itself, bit for bit
+    from stabilitywatch.stats.cpu import cpu_row
+    auto = dispatch.compute_row(x, 3.0)
+    assert torch.equal(auto, torch.from_numpy(cpu_row(x, 3.0)))
+    assert_rows_match(auto, want, label="auto")
     assert torch.equal(dispatch.compute_row(x, 3.0, backend="torch"), want)
 
 

@@ -30,7 +30,9 @@ def kernel_backend(name: str = "auto") -> RowBackend:
     return RowBackend(name=name, accumulate=dispatch.accumulate,
                       accumulate_many=dispatch.accumulate_many, batchable=dispatch.batchable,
                       tileable=dispatch.tileable, viewable=dispatch.viewable,
-                      sentinel_launchable=_sentinel_launchable, sentinel_launch=_sentinel_launch)
+                      sentinel_launchable=_sentinel_launchable, sentinel_launch=_sentinel_launch,
+                      accumulate_each=dispatch.accumulate_each,
+                      host_scale_of=dispatch.host_scale_of)
 
 
 def _sentinel_launchable(g: torch.Tensor, name: str) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 
+from ..stats import cpu as host
 from ..stats.layout import init_row_tensor, merge_into
 from ..stats.reference import reference_row
 
@@ -83,8 +85,51 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         return
     if _kernel_ok(t, backend):
         _triton_module().launch_row_stats(flat_view(t), row, scale)
+    elif _host_ok(t, row.device, scale, backend) and row.dtype == torch.float64 \
+            and not row.requires_grad:
+        host.merge_host(host.host_view(row).reshape(1, -1), host.cpu_rows([t], [host.host_scale(scale)]))
     else:
         merge_into(row, reference_row(t, scale))
+
+
+def _host_ok(t: torch.Tensor, row_device: torch.device, scale, backend: str) -> bool:
+    # the CPU path (stats/cpu.py) for CPU tensors into CPU rows; backend="torch" asks for the
+    # reference itself, and code being traced by torch.compile gets torch ops it can trace
+    return (backend != "torch" and host.supported(t) and row_device.type == "cpu"
+            and (not isinstance(scale, torch.Tensor) or scale.device.type == "cpu")
+            and not _compiling())
+
+
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn and fn())
+
+
+def host_scale_of(t: torch.Tensor, rows: torch.Tensor, scale, backend: str = "auto"):
+    """The scale as the CPU path takes it (a float) when that path reads t into rows (CPU
+    tensor and rows, no kernel for it), else None."""
+    if (not _kernel_ok(t, backend) and _host_ok(t, rows.device, scale, backend)
+            and rows.dtype == torch.float64 and not rows.requires_grad):
+        return host.host_scale(scale)
+    return None
+
+
+def accumulate_each(items: list, backend: str = "auto") -> None:
+    """accumulate(t, rows[slot], scale, backend) for each (t, rows, slot, scale) of items; the
+    CPU tensors among them share the CPU path's passes (small tensors of one dtype and scale
+    are read as one) and their rows merge in one go. No host sync on a device."""
+    batch: dict = {}
+    for t, rows, slot, scale in items:
+        if t.numel() == 0:
+            continue
+        s = host_scale_of(t, rows, scale, backend)
+        if s is not None:
+            batch.setdefault(id(rows), (rows, []))[1].append((t, slot, s))
+        else:
+            accumulate(t, rows[slot], scale, backend)
+    for rows, todo in batch.values():
+        got = host.cpu_rows([t for t, _, _ in todo], [s for _, _, s in todo])
+        host.merge_at(host.host_view(rows), np.array([slot for _, slot, _ in todo]), got)
 
 
 # larger tensors get their own launch (the tile kernel reads them faster); here, not in
@@ -158,6 +203,8 @@ def accumulate_many(ts: list, rows: torch.Tensor, slots: list) -> list:
 def compute_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0,
                 backend: str = "auto") -> torch.Tensor:
     """A new statistics row for t."""
+    if t.numel() and not _kernel_ok(t, backend) and _host_ok(t, t.device, scale, backend):
+        return torch.from_numpy(host.cpu_row(t, scale))
     row = init_row_tensor(t.device)
     accumulate(t, row, scale, backend)
     return row

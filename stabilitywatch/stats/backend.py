@@ -35,6 +35,12 @@ class RowBackend:
     # gradient sentinel's kernel; None where only the twin in stats/sentinel.py runs
     sentinel_launchable: Optional[Callable] = None
     sentinel_launch: Optional[Callable] = None
+    # the CPU path (stats/cpu.py): ([(t, rows, slot, scale)], name) -> None, the rows of many
+    # tensors in one set of passes; and (t, rows, scale, name) -> float or None, the host scale
+    # under which a small CPU tensor may wait in the buffer's stage (None: not staged). None:
+    # one accumulate per tensor, nothing staged
+    accumulate_each: Optional[Callable] = None
+    host_scale_of: Optional[Callable] = None
 
 
 def _reference_accumulate(t: torch.Tensor, row: torch.Tensor, scale=1.0, name="torch") -> None:

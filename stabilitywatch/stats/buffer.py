@@ -10,11 +10,13 @@ written by the `RowBackend` the buffer is given (backend.py): stats/ does not im
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from .backend import TORCH, RowBackend
+from .cpu_stage import HostStage
 from .device_rows import DeviceRows
 from .frame import Phase, StatsFrame
 from .plans import ManyPlan, many_sig, rebind
@@ -24,6 +26,8 @@ from .slots import SlotTable
 from .staging import UNSEEN, Pending, read_frame, start_copies
 
 __all__ = ["Phase", "StatsBuffer", "StatsFrame"]
+
+log = logging.getLogger("stabilitywatch")
 
 
 class StatsBuffer:
@@ -48,12 +52,14 @@ class StatsBuffer:
         self._step: Optional[int] = None
         self._plans: dict = {}            # (phase, overwrite) -> ManyPlan
         self.sentinel = SentinelStore(backend)
+        self._stage = HostStage()         # small CPU tensors of the step, read together
         self._recent: dict[int, SentinelFrame] = {}   # step -> sentinel of recently read frames
 
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._step = step
         self._touched = {}
+        self._stage.clear()   # writes outside a step: their rows are reset below
         # Only the rows written since their last reset (every write marks its device's rows, in
         # or outside a step): an unsampled step writes one or two of the ~600, and resetting
         # all took a device copy per step. Compiled code writes rows unseen: all of them.
@@ -65,7 +71,11 @@ class StatsBuffer:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
         slot, row = self._prepare(t, module, role, phase, scale, overwrite)
         try:
-            self._accumulate(t, row, scale, self.backend)
+            ops = self.ops
+            s = (ops.host_scale_of(t, self._dev[t.device].rows, scale, self.backend)
+                 if t.device.type == "cpu" and ops.host_scale_of is not None else None)
+            if s is None or not self._stage.put(t, slot, s, self._rows_of):
+                self._accumulate(t, row, scale, self.backend)
         except BaseException:
             self._drop([slot])
             raise
@@ -104,9 +114,8 @@ class StatsBuffer:
                 self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
             for k, slot in plan.singles:
-                t, _, _, scale = items[k]
-                self._dev[t.device].mark(slot, slot + 1)
-                ops.accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
+                self._dev[items[k][0].device].mark(slot, slot + 1)
+            self._accumulate_singles(items, plan.singles)
             return
         if overwrite and len({(m, r) for _, m, r, _ in items}) < len(items):
             # a row written twice: the last write wins, as with add() one after the other (a
@@ -129,7 +138,7 @@ class StatsBuffer:
                 ks.append(k)
             else:
                 singles.append((k, slot))
-                ops.accumulate(t, row, scale, self.backend)
+        self._accumulate_singles(items, singles)
         launches = []
         for device, (ts, ss, ks) in groups.items():
             # after every _prepare: rows may have grown (a new tensor) while preparing
@@ -138,6 +147,17 @@ class StatsBuffer:
         if sig is not None and len(set(slots)) == len(slots):
             span = (min(slots), max(slots) + 1) if slots else (0, 0)
             self._plans[(phase, overwrite)] = ManyPlan(*sig, slots, launches, singles, span)
+
+    def _accumulate_singles(self, items: list, singles: list) -> None:
+        # one call for all: CPU tensors share the CPU path's passes (stats/cpu.py)
+        ops = self.ops
+        if ops.accumulate_each is None:
+            for k, slot in singles:
+                t, _, _, scale = items[k]
+                ops.accumulate(t, self._dev[t.device].views[slot], scale, self.backend)
+            return
+        ops.accumulate_each([(items[k][0], self._dev[items[k][0].device].rows, slot, items[k][3])
+                             for k, slot in singles], self.backend)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
                  overwrite: bool) -> tuple[int, torch.Tensor]:
@@ -159,12 +179,14 @@ class StatsBuffer:
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
         elif overwrite:  # begin_step reset every row: only a second write this step needs this
+            self._flush_stage()
             row.copy_(dev.init[slot])
         return slot, row
 
     def _drop(self, slots) -> None:
         """Forget this step's writes to `slots` (a write to them failed: what the rows hold is
         unknown): the rows go back to the identity row and are not read this step."""
+        self._flush_stage()
         for slot in set(slots):
             self._touched.pop(slot, None)
             for dev in self._dev.values():
@@ -173,6 +195,7 @@ class StatsBuffer:
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
+        self._flush_stage()
         sent = self.sentinel.end_step(self._step) if self._step is not None else None
         if self._step is None or not (self._touched or self._untracked or sent):
             self._step = None
@@ -245,6 +268,23 @@ class StatsBuffer:
                     d.grow(capacity)
             self.slots.capacity = capacity
         return self.slots.add(key, scale, phase)
+
+    def _rows_of(self, device: torch.device) -> torch.Tensor:
+        return self._dev[device].rows
+
+    def _flush_stage(self) -> None:
+        # the held CPU tensors' rows; a failure drops those rows from the step (as a failed
+        # add() does) and the step goes on
+        if not self._stage.held:
+            return
+        slots = self._stage.slots()
+        try:
+            self._stage.flush(self._rows_of)
+        except Exception as e:
+            log.warning("stabilitywatch: the statistics of %d CPU tensors failed (%s: %s); their "
+                        "rows are left out of this step", len(slots), type(e).__name__, e)
+            self._stage.clear()
+            self._drop(slots)
 
     def _rows_on(self, device: torch.device) -> DeviceRows:
         d = self._dev.get(device)

@@ -1,0 +1,413 @@
+"""Statistics rows of CPU tensors in a few vectorised passes: the CPU path.
+
+stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value goes through
+~25 numpy passes over chunks that stay in cache, and many small tensors share the same passes
+(one concatenation; per-tensor results by reduceat and by bincount over segments). The numbers
+are the reference's: counts, extrema, histogram and fingerprint bit for bit, sums to rounding
+(float64, another summation order).
+
+How: with its sign cleared, a float's bit pattern orders like its magnitude, so every count is
+an integer comparison of bit patterns against a threshold's bit pattern (the threshold cast to
+the work dtype, as torch casts a Python scalar). The comparisons add up to one class per value
+and one bincount counts the classes. The exponent histogram is a bincount of the exponent
+field: zeros land in its first bin and Inf/NaN in its last, and their counts come back out.
+
+Values work in float32 (float64 tensors in float64), as in the reference. numpy runs on the
+calling thread (no BLAS call: BLAS would start threads of its own); the upcast to float32 runs
+in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..formats import FORMATS, ROW_FORMATS
+from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, init_row, merge_rows
+from .reference import SUPPORTED_DTYPES
+from .scale import effective_scale
+
+# values per pass: a float32 chunk and its float64 copies stay in L2
+CHUNK = 1 << 16
+# tensors up to SMALL values share passes with others, up to CHUNK values per batch
+SMALL = 1 << 14
+
+
+class _Work(NamedTuple):
+    float: type      # numpy float type of the work
+    int: type        # signed integer of the same width
+    uint: type
+    exp_shift: int   # the exponent field starts here
+    exp_bias: int
+    n_exp: int       # exponent field values
+    inf: int         # bit pattern of +inf
+    neginf: int      # ... of -inf, as the signed integer
+    mag: int         # every bit but the sign
+
+
+_F32 = _Work(np.float32, np.int32, np.uint32, 23, 127, 256, 0x7F800000, -0x00800000, 0x7FFFFFFF)
+_F64 = _Work(np.float64, np.int64, np.uint64, 52, 1023, 2048, 0x7FF0000000000000,
+             -0x0010000000000000, 0x7FFFFFFFFFFFFFFF)
+
+
+class _Thresholds(NamedTuple):
+    fmt: np.ndarray     # sorted bit patterns T of the format thresholds
+    index: dict         # format -> (j_max, j_under, j_normal) into fmt
+    x: np.ndarray       # x's own: nonzero (> 0), non-finite (> largest finite), NaN (> inf)
+    both: np.ndarray    # fmt and x together, sorted (at scale 1 |y| is |x|: one set of passes)
+    x_at: np.ndarray    # where x's and fmt's lie in both
+    fmt_at: np.ndarray
+
+
+@functools.lru_cache(maxsize=2)
+def _thresholds(w: _Work) -> _Thresholds:
+    """For each format the indices j of fmt with "|y| > T[j]" meaning: overflow (> max), past
+    underflow (> min_subnormal / 2), normal (>= subnormal_limit, that is > the pattern just
+    below it)."""
+    want = {}
+    for fmt in ROW_FORMATS:
+        f = FORMATS[fmt]
+        bits = [int(np.array(v, dtype=w.float).view(w.int))
+                for v in (f.max, f.underflow_threshold, f.subnormal_limit)]
+        want[fmt] = (bits[0], bits[1], bits[2] - 1)
+    t = sorted({b for v in want.values() for b in v})
+    index = {fmt: tuple(t.index(b) for b in v) for fmt, v in want.items()}
+    x = [0, w.inf - 1, w.inf]
+    both = np.array(sorted(set(x) | set(t)), dtype=w.int)
+    return _Thresholds(np.array(t, dtype=w.int), index, np.array(x, dtype=w.int), both,
+                       np.searchsorted(both, x), np.searchsorted(both, t))
+
+
+def _work_of(dtype: torch.dtype) -> _Work:
+    return _F64 if dtype == torch.float64 else _F32
+
+
+class _Scratch:
+    """Work arrays of one chunk, kept between calls: fresh arrays of this size come from the
+    operating system page by page (~500 page faults per 65,536 values, three times the
+    arithmetic)."""
+
+    def __init__(self, w: _Work):
+        self.x = np.empty(CHUNK, dtype=w.float)
+        self.ab = np.empty(CHUNK, dtype=w.int)
+        self.tmp = np.empty(CHUNK, dtype=w.int)
+        self.mask = np.empty(CHUNK, dtype=np.bool_)
+        self.cls = np.empty(CHUNK, dtype=np.uint8)
+        self.d = np.empty(CHUNK, dtype=np.float64)
+        self.sq = np.empty(CHUNK, dtype=np.float64)
+        self.idx = np.empty(CHUNK, dtype=np.int64)
+        self.raw = torch.empty(CHUNK * 8, dtype=torch.uint8)   # small tensors, concatenated
+
+
+_local = threading.local()
+
+
+def _scratch(w: _Work) -> _Scratch:
+    # one set per thread and work dtype: calls on other threads never share one
+    have = getattr(_local, "scratch", None)
+    if have is None:
+        have = _local.scratch = {}
+    if w.int not in have:
+        have[w.int] = _Scratch(w)
+    return have[w.int]
+
+
+def _load(parts: list, w: _Work, sc: _Scratch) -> np.ndarray:
+    """The values of the tensors in parts one after the other, in the work dtype (a view of the
+    tensor itself when it already is one contiguous tensor of the work dtype)."""
+    n = sum(p.numel() for p in parts)
+    if len(parts) == 1:
+        src = parts[0].detach().resolve_neg()
+        if src.dtype == (torch.float64 if w is _F64 else torch.float32) and src.is_contiguous():
+            return host_view(src.reshape(-1))
+    else:
+        dtype = parts[0].dtype
+        staged = sc.raw[: n * parts[0].element_size()].view(dtype)
+        src = torch.cat([p.detach().resolve_neg().reshape(-1) for p in parts], out=staged)
+    x = sc.x[:n]
+    torch.from_numpy(x).view(src.shape).copy_(src)
+    return x
+
+
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (DLPack: shared, writable). CPU memory is read in
+    place; there is no device to wait for."""
+    return np.from_dlpack(t.detach())
+
+
+def _bincount(idx: np.ndarray, n: int) -> np.ndarray:
+    # torch's bincount reads small integers about twice as fast as numpy's
+    return host_view(torch.bincount(torch.from_numpy(idx), minlength=n))
+
+
+def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Work,
+          sc: _Scratch) -> np.ndarray:
+    """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
+    n, nseg = x.size, starts.size
+    out = np.zeros((nseg, N_STATS), dtype=np.float64)
+    sizes = np.diff(np.append(starts, n)) if nseg > 1 else np.array([n])
+    seg = None
+    if nseg > 1:
+        seg = np.repeat(np.arange(nseg, dtype=np.int64), sizes)
+
+    def per_seg(values, ufunc=np.add):
+        return ufunc.reduceat(values, starts) if seg is not None else ufunc.reduce(values)[None]
+
+    def above_of(v, tbits):
+        # [nseg, len(tbits)]: values with v > tbits[j], as float64
+        mask = sc.mask[:n]
+        if seg is None:
+            return np.array([[np.count_nonzero(np.greater(v, t, out=mask)) for t in tbits]],
+                            dtype=np.float64)
+        cls = sc.cls[:n]
+        cls[:] = 0
+        for t in tbits:
+            np.greater(v, t, out=mask)
+            np.add(cls, mask, out=cls, casting="unsafe")
+        idx = sc.idx[:n]
+        np.multiply(seg, tbits.size + 1, out=idx)
+        np.add(idx, cls, out=idx)
+        per = _bincount(idx, nseg * (tbits.size + 1)).reshape(nseg, -1)
+        return np.cumsum(per[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
+
+    b = x.view(w.int)
+    ab, tmp, mask = sc.ab[:n], sc.tmp[:n], sc.mask[:n]
+    np.bitwise_and(b, w.int(w.mag), out=ab)   # |x| as bits
+
+    # exponent field counts: the histogram, and most counts below without a pass of their own
+    np.right_shift(ab, w.exp_shift, out=tmp)
+    if seg is None:
+        ecount = _bincount(tmp, w.n_exp)
+    else:
+        idx = sc.idx[:n]
+        np.multiply(seg, w.n_exp, out=idx)
+        np.add(idx, tmp, out=idx)
+        ecount = _bincount(idx, nseg * w.n_exp)
+    ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
+    # beyond[:, e]: values whose exponent field exceeds e
+    beyond = np.zeros((nseg, w.n_exp), dtype=np.float64)
+    beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
+    occupied = ecount.any(axis=0)
+
+    def above_x(tbits):
+        # above_of(ab, tbits), from the exponent counts where no value shares T's exponent
+        e_t = tbits >> w.exp_shift
+        res = beyond[:, e_t]
+        need = np.flatnonzero(occupied[e_t])
+        if need.size:
+            res[:, need] = above_of(ab, tbits[need])
+        return res
+
+    # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
+    # above every one (|x * s| is NaN or Inf), so both come back out by their counts.
+    th = _thresholds(w)
+    if scale == 1.0:
+        above = above_x(th.both)
+        ax, af = above[:, th.x_at], above[:, th.fmt_at]
+    else:
+        y = sc.d[:n].view(w.float)[:n] if w is _F32 else sc.sq[:n]
+        np.multiply(x, w.float(scale), out=y)
+        np.abs(y, out=y)
+        ax, af = above_x(th.x), above_of(y.view(w.int), th.fmt)
+    nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
+    zeros = sizes - nonzero
+    if nonfinite.any():
+        posinf = np.diff(above_of(b, np.array([w.inf - 1, w.inf], dtype=w.int)), axis=1)[:, 0]
+        posinf = -posinf
+    else:
+        posinf = np.zeros(nseg)
+    out[:, Stat.NUMEL] = sizes
+    out[:, Stat.NAN] = nan
+    out[:, Stat.POSINF] = posinf
+    out[:, Stat.NEGINF] = nonfinite - nan - posinf
+    out[:, Stat.ZEROS] = zeros
+    # af[:, j] over finite nonzero x only
+    af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
+    fnz = nonzero - nonfinite
+    fnz_all = sizes - nonfinite          # finite values, zeros included
+    for fmt in ROW_FORMATS:
+        j_max, j_under, j_normal = th.index[fmt]
+        base = FMT_BASE[fmt]
+        out[:, base] = af[:, j_max]
+        out[:, base + 1] = fnz - af[:, j_under]
+        out[:, base + 2] = af[:, j_under] - af[:, j_normal]
+
+    lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
+    hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
+    hist[:] = ecount[:, lo: lo + HIST_BINS]
+    hist[:, 0] = ecount[:, : lo + 1].sum(axis=1) - zeros
+    hist[:, -1] = ecount[:, lo + HIST_BINS - 1:].sum(axis=1) - nonfinite
+
+    # smallest nonzero finite |x|: zeros wrap to the largest unsigned pattern, Inf/NaN lie above
+    # every finite pattern
+    np.subtract(ab, 1, out=tmp)
+    m = per_seg(tmp.view(w.uint), np.minimum).astype(w.int) + 1
+    out[:, Stat.ABSMIN_NZ] = np.where((m > 0) & (m < w.inf), m, w.inf).view(w.float)
+
+    clean = not nonfinite.any()
+    if clean:
+        mn, mx = per_seg(x, np.minimum), per_seg(x, np.maximum)
+    else:
+        np.less(ab, w.inf, out=mask)    # finite
+        mn = per_seg(np.where(mask, x, np.inf), np.minimum)
+        mx = per_seg(np.where(mask, x, -np.inf), np.maximum)
+    out[:, Stat.MIN], out[:, Stat.MAX] = mn, mx
+    out[:, Stat.ABSMAX] = np.maximum(-mn.astype(np.float64), mx)
+
+    d, sq = sc.d[:n], sc.sq[:n]
+    np.copyto(d, x)
+    if not clean:
+        np.copyto(d, 0.0, where=~mask)
+    np.multiply(d, d, out=sq)
+    out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
+    np.subtract(d, k[0] if seg is None else np.repeat(k, sizes), out=d)
+    if not clean:
+        np.copyto(d, 0.0, where=~mask)
+    np.multiply(d, d, out=sq)
+    out[:, Stat.SHIFT] = k
+    # the shifted sum as the kernels take it, SUM - n K (its square sum needs its own pass)
+    out[:, Stat.SHIFT_SUM] = out[:, Stat.SUM] - fnz_all * k
+    out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
+
+    # fingerprint: the low and high 16 bits of each (32-bit, NaN canonical) pattern, summed in
+    # float64 (exact: each term is below 2^16)
+    u = b.view(w.uint)
+    if w is _F64:
+        u = (u ^ (u >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    if out[:, Stat.NAN].any():
+        u = np.where(ab > w.inf, np.array(0x7FC00000, dtype=w.uint), u)
+    t = tmp.view(w.uint)
+    np.bitwise_and(u, w.uint(0xFFFF), out=t)
+    if seg is None:   # integer sums, exact: the high halves are the rest of the whole patterns'
+        lo16 = int(np.add.reduce(t, dtype=np.uint64))
+        out[:, Stat.BITS_LO] = lo16
+        out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
+        return out
+    np.copyto(d, t, casting="unsafe")
+    out[:, Stat.BITS_LO] = per_seg(d)
+    np.right_shift(u, w.uint(16), out=t)
+    np.copyto(d, t, casting="unsafe")
+    out[:, Stat.BITS_HI] = per_seg(d)
+    return out
+
+
+def _shift(first: np.ndarray) -> np.ndarray:
+    # the reference's shift: the first element, 0 when it is not finite or zero (never -0.0)
+    k = first.astype(np.float64)
+    return np.where(np.isfinite(k) & (k != 0), k, 0.0)
+
+
+def supported(t: torch.Tensor) -> bool:
+    """True when cpu_row takes t: a CPU tensor of a statistics dtype."""
+    return t.device.type == "cpu" and t.dtype in SUPPORTED_DTYPES and t.layout == torch.strided
+
+
+def host_scale(scale) -> "float | None":
+    """The sane value of a scale (stats/scale.py), None for a tensor off the CPU (reading it
+    would wait for its device)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.device.type != "cpu":
+            return None
+        scale = float(host_view(scale.detach().reshape(1).to(torch.float32))[0])
+    return effective_scale(scale)
+
+
+def cpu_row(t: torch.Tensor, scale: "float | torch.Tensor" = 1.0) -> np.ndarray:
+    """The float64 statistics row of a CPU tensor (numpy), the reference's numbers."""
+    if not supported(t):
+        raise TypeError(f"stabilitywatch: no CPU statistics for a {t.dtype} tensor on {t.device}")
+    s = host_scale(scale)
+    if s is None:
+        raise ValueError("stabilitywatch: a tensor-valued scale for a CPU tensor must be on the CPU")
+    if t.numel() == 0:
+        return init_row()
+    return cpu_rows([t], [s])[0]
+
+
+def cpu_rows(ts: list, scales: list) -> np.ndarray:
+    """Rows of CPU tensors (each nonempty, supported) at host scales ([len(ts), N_STATS]): the
+    small tensors of one dtype and scale share passes, a large one goes chunk by chunk."""
+    with np.errstate(all="ignore"):   # NaN and Inf are data here, not mistakes
+        return _cpu_rows(ts, scales)
+
+
+def _cpu_rows(ts: list, scales: list) -> np.ndarray:
+    out = np.empty((len(ts), N_STATS), dtype=np.float64)
+    groups: dict = {}
+    for i, (t, s) in enumerate(zip(ts, scales)):
+        if t.numel() <= SMALL:
+            groups.setdefault((t.dtype, s), []).append(i)
+        else:
+            out[i] = _large(t, s)
+    for (dtype, s), idx in groups.items():
+        w = _work_of(dtype)
+        sc = _scratch(w)
+        batch: list[int] = []
+        total = 0
+        for i in idx + [None]:
+            if i is not None and total + ts[i].numel() <= CHUNK:
+                batch.append(i)
+                total += ts[i].numel()
+                continue
+            if batch:
+                x = _load([ts[j] for j in batch], w, sc)
+                starts = np.cumsum([0] + [ts[j].numel() for j in batch[:-1]], dtype=np.int64)
+                out[batch] = _rows(x, starts, _shift(x[starts]), s, w, sc)
+            batch, total = ([i], ts[i].numel()) if i is not None else ([], 0)
+    return out
+
+
+def _large(t: torch.Tensor, scale: float) -> np.ndarray:
+    w = _work_of(t.dtype)
+    sc = _scratch(w)
+    if t.numel() <= CHUNK:
+        x = _load([t], w, sc)
+        return _rows(x, np.zeros(1, dtype=np.int64), _shift(x[:1]), scale, w, sc)[0]
+    flat = t.detach().resolve_neg().reshape(-1)
+    k = _shift(_load([flat[:1]], w, sc))
+    zero = np.zeros(1, dtype=np.int64)
+    parts = [_rows(_load([flat[i: i + CHUNK]], w, sc), zero, k, scale, w, sc)[0]
+             for i in range(0, flat.numel(), CHUNK)]
+    return merge_rows(np.stack(parts))
+
+
+def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[i] <- merge(dst[i], src[i]) for host rows stacked along axis 0, in place: the same
+    merge as layout.merge_into (dst keeps its shift when it has one, else takes src's)."""
+    kd, ks = dst[:, Stat.SHIFT], src[:, Stat.SHIFT]
+    if not dst[:, Stat.NUMEL].any() and np.all((kd == 0) & np.signbit(kd)):
+        dst[:] = src    # identity rows (the usual case: a row's first tensor of the step)
+        return
+    k = np.where((kd == 0) & np.signbit(kd), ks, kd)
+    with np.errstate(all="ignore"):
+        d = np.where((ks == 0) & np.signbit(ks), 0.0, ks - k)
+        d = np.where(np.isfinite(d), d, 0.0)
+        n = src[:, Stat.NUMEL] - src[:, Stat.NAN] - src[:, Stat.POSINF] - src[:, Stat.NEGINF]
+        s1, s2 = src[:, Stat.SHIFT_SUM], src[:, Stat.SHIFT_SUMSQ]
+        dst[:, Stat.SHIFT_SUMSQ] += s2 + 2.0 * d * s1 + n * d * d
+        dst[:, Stat.SHIFT_SUM] += s1 + n * d
+    dst[:, Stat.SHIFT] = k
+    dst[:, : Stat.MIN] += src[:, : Stat.MIN]
+    dst[:, Stat.SUM: Stat.SHIFT] += src[:, Stat.SUM: Stat.SHIFT]
+    dst[:, Stat.HIST:] += src[:, Stat.HIST:]
+    for i in (Stat.MIN, Stat.ABSMIN_NZ):
+        np.minimum(dst[:, i], src[:, i], out=dst[:, i])
+    for i in (Stat.MAX, Stat.ABSMAX):
+        np.maximum(dst[:, i], src[:, i], out=dst[:, i])
+
+
+def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
+    """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
+    its second row in a second round."""
+    while slots.size:
+        _, first = np.unique(slots, return_index=True)
+        part = dst[slots[first]]
+        merge_host(part, src[first])
+        dst[slots[first]] = part
+        rest = np.ones(slots.size, dtype=bool)
+        rest[first] = False
+        slots, src = slots[rest], src[rest]
