@@ -103,7 +103,7 @@ def run_config(name, cfg, a, device, tmp) -> dict:
         if mon.dist.active and end > start:
             nbytes = (mon.dist.bytes_sent - start_b) / (end - start)
             # an all-reduce returns what it was given; an all-gather returns world x it
-            received = nbytes * (dist.get_world_size() if cfg.dist_merge.value == "gather"
+            received = nbytes * (dist.get_world_size() if cfg.dist.merge.value == "gather"
                                  else 1)
         mon.close()
         flush_t, gather_t = flush_t[start:end], gather_t[start_c:end_c]

@@ -303,5 +303,5 @@ def test_the_distributed_layer_takes_a_run_info_not_the_monitor():
                   release=released.append)
     coord = make_coordinator(run)
     assert not coord.active and coord.run is run
-    buf = StatsBuffer(backend="torch", capacity=4)
+    buf = StatsBuffer(capacity=4)
     assert coord.frames(buf, final=True) == []

@@ -106,7 +106,7 @@ class DistCoordinator(Coordinator):
         self.timeout = datetime.timedelta(seconds=cfg.dist.timeout)
         # gradients read before DDP's all-reduce (no optimizer: post-accumulate hooks) differ
         self.grads_replicated = run.has_optimizer
-        self.merge: DistMerge = cfg.dist_merge
+        self.merge: DistMerge = cfg.dist.merge
         self.group = None
         self.device = torch.device("cpu")
         if cfg.dist.backend is DistBackend.GLOO:
