@@ -19,6 +19,7 @@ from .config_distributed import DistBackend, DistMode, validate_dist_fields
 from .config_sinks import SINK_NAMES, validate_sink_fields  # noqa: F401 (SINK_NAMES: public)
 from .config_dashboards import validate_dashboard_fields
 from .config_sentinel import validate_sentinel_fields
+from .config_processing import validate_processing_fields
 
 
 class Role(str, enum.Enum):
@@ -289,6 +290,21 @@ class Config:
     update_window: int = 50
     update_min_history: int = 8
     """Samples of a module's update ratio before it is judged."""
+    # -- frame processing (stabilitywatch/processing.py; README "Frame processing, off the
+    # training thread"); checked in config_processing.py
+    processing: str = "thread"
+    """Where a step's frame is processed (detectors, incidents, capture decisions, records for the
+    sinks): "thread" (a thread of the monitor's own; the step end only queues the frame) or
+    "inline" (on the training thread at the step end: for debugging, or to read `mon.alerts`
+    step by step)."""
+    processing_lag: int = 1
+    """With processing="thread": the step ends a frame's processing may trail. At the start of
+    step k every frame read before the end of step k-1-lag is processed (the start waits for
+    it otherwise), so an alert's escalation opens its window lag steps later than inline."""
+    processing_timeout: float = 10.0
+    """Seconds one stage of a frame's processing (one detector, the capture decision...) may
+    take; a stage that takes longer is switched off for the rest of the run (one warning naming
+    it) and the frames go on without it."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -358,6 +374,7 @@ class Config:
         validate_dist_fields(self, set_)  # -- distributed
         validate_dashboard_fields(self, set_)  # -- dashboards
         validate_sentinel_fields(self, set_)  # -- sentinel, escalation and guard
+        validate_processing_fields(self, set_)  # -- frame processing
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod
