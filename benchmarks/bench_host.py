@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny run for the test suite")
     a = p.parse_args(argv)
     if a.smoke:
-        a.steps, a.skip, a.repeats = 4, 1, 1
+        a.steps, a.skip, a.repeats = 2, 1, 1
+        a.configs = "no monitor;default;default, inline"
     names = [n.strip() for n in a.configs.split(";") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

@@ -226,11 +226,15 @@ class Monitor:
             if self._step is not None:
                 self._end()
             self._process(block=True)
-            self.processor.drain()
         except Exception as e:
             log.warning("stabilitywatch: flushing the last steps failed (%s: %s)",
                         type(e).__name__, e)
         finally:
+            try:   # every frame already queued reaches the sinks before they close
+                self.processor.drain()
+            except Exception as e:
+                log.warning("stabilitywatch: processing the last frames failed (%s: %s)",
+                            type(e).__name__, e)
             detach_observers(self.observers)
             self.taps.detach()
             self.extras.detach()
@@ -463,10 +467,11 @@ class Monitor:
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
         if self.schedule.escalated(frame.step):
             base["escalated"] = True
-        recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
+        derived = frame.derived
+        recs = [dict(base, module=m, tensor=r, stats=derived(i))
                 for i, (m, r) in enumerate(frame.keys)]
-        grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
-                   if r == "grad" or r.startswith("grad.")]
+        grad = [i for i, (_, r) in enumerate(frame.keys) if r == "grad" or r.startswith("grad.")]
+        grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if grad else []   # one array op
         sent = frame.sentinel
         if grad_sq or sent is not None:
             # the gradient rows on steps that read them, else the sentinel (every step)

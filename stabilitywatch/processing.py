@@ -9,7 +9,7 @@ What has to happen on the training thread (anything that changes the schedule, a
 reads live tensors) is posted by the processing thread with `post(fn)` and run at a step start
 (`at_begin`), always at the same step for the same run:
 
-- lag: at the start of step k every frame read at the step ends before step k-lag (lag =
+- lag: at the start of step k every frame read at the end of step k-1-lag or earlier (lag =
   `Config.processing_lag`) has been processed, and what those frames posted runs then, before
   the step's schedule is decided. With lag 1 an escalation asked for by an alert in the frame
   read at the end of step s opens its window at step s+2 (inline processing: s+1). When

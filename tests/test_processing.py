@@ -251,3 +251,30 @@ def test_what_processing_posts_runs_on_the_training_thread_at_a_step_start(tmp_p
 def test_bad_processing_fields_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         sw.Config(**{field: value})
+
+
+def test_a_snapshot_waits_for_the_frames_that_hold_the_capture_ring(tmp_path):
+    # the processing runs behind (slow detector, lag 3) and every step is sampled: each step's
+    # snapshot needs a ring slot that only the processing of an earlier frame frees
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    probe = Probe(delay=0.3)
+    mon = sw.watch(model, opt, config=_cfg(processing_lag=3, capture=("critical",),
+                                           capture_ring=2), run_dir=tmp_path)
+    mon.detectors.append(probe)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(4, 8, generator=g)
+        if step == 3:
+            x[0, 0] = float("nan")
+        with mon.step(step, batch=x):
+            loss = model(x).square().mean()
+            loss.backward()
+            mon.observe_loss(loss)
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    assert mon.capture.snap.skipped == 0   # no step found every slot held
+    crit = [a for a in mon.alerts if a.severity is Severity.CRITICAL]
+    assert crit and all(a.step == 3 for a in crit)
+    assert crit[0].capture is not None and (tmp_path / crit[0].capture).is_dir()
