@@ -138,6 +138,8 @@ class Processor:
         if key in self.disabled:
             return default
         me = threading.current_thread()
+        if me in self._abandoned:
+            raise _Abandoned()
         mine = me is self._thread
         memo = self._current[2] if mine and self._current is not None else None
         if memo is not None and key in memo:
