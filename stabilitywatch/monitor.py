@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -101,8 +102,9 @@ class Monitor:
         self.detectors += self.dist.detectors()
         self.cooldown = Cooldown(config.alert_cooldown)
         # detectors, incidents, capture decisions and records run off the training thread
-        # (processing.py); `_handle` is looked up per frame, so a wrapper of it sees every frame
-        self.processor = Processor(lambda frame: self._handle(frame),
+        # (processing.py); `_handle` is looked up per frame, so a wrapper of it sees every frame;
+        # a weak reference: the thread does not keep a monitor that was never closed alive
+        self.processor = Processor(_handler(weakref.ref(self)),
                                    threaded=config.processing == "thread",
                                    lag=config.processing_lag, timeout=config.processing_timeout)
         self.incidents = Incidents(config)
@@ -520,6 +522,14 @@ def _jsonable(cfg: Config) -> dict:
             v = getattr(v, "__qualname__", repr(v))
         out[k] = v
     return out
+
+
+def _handler(ref: "weakref.ref[Monitor]"):
+    def handle(frame: StatsFrame) -> None:
+        mon = ref()
+        if mon is not None:
+            mon._handle(frame)
+    return handle
 
 
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

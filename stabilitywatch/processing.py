@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 log = logging.getLogger("stabilitywatch")
 
 THREAD_NAME = "stabilitywatch-frames"
+IDLE_EXIT = 5.0   # seconds with nothing queued after which the thread ends (the next frame starts one)
 
 
 class _Abandoned(BaseException):
@@ -81,7 +82,7 @@ class Processor:
             return
         with self._cond:
             self._queue.extend((tag, f) for f in frames)
-            if frames and (self._thread is None or not self._thread.is_alive()):
+            if frames and self._thread is None:
                 self._start(None)
             self._cond.notify_all()
             self._watch()
@@ -218,9 +219,11 @@ class Processor:
             self.disabled.add(key)
             self._takeover(f"{label} did not return within {self.timeout:g} s on step {step}; "
                            f"it is switched off for the rest of the run")
-        elif (self._queue or self._current is not None) and (
-                self._thread is None or not self._thread.is_alive()):
-            self._takeover("the frame processing thread ended")
+        elif self._queue or self._current is not None:
+            if self._thread is None:
+                self._start(None)
+            elif not self._thread.is_alive():
+                self._takeover("the frame processing thread ended")
 
     def _takeover(self, why: str) -> None:
         log.warning("stabilitywatch: frame processing: %s; a fresh thread goes on with the "
@@ -243,7 +246,11 @@ class Processor:
             while True:
                 with self._cond:
                     while not self._queue and not self._stopped and me not in self._abandoned:
-                        self._cond.wait()
+                        if not self._cond.wait(IDLE_EXIT) and not self._queue:
+                            # an idle monitor (or one never closed) keeps no thread
+                            if self._thread is me:
+                                self._thread = None
+                            return
                     if me in self._abandoned or not self._queue:
                         return
                     tag, frame = self._queue.popleft()
