@@ -7,8 +7,10 @@ For each model and configuration, every step is timed on the training thread: CP
 training thread itself (`time.thread_time`) and wall time, split into sampled steps (the
 schedule reads more than the loss) and unsampled ones, from step `--skip` on (the default
 config samples every step of its warmup). The "monitor's part" columns subtract the
-unmonitored run's mean step (step kind "every"), measured in the same run; the processing thread's CPU time
-(`time.pthread_getcpuclockid`) is summed over the run and given per step. The configurations
+unmonitored run's mean step (step kind "every"), measured in the same run; the processing
+thread's CPU time (`time.pthread_getcpuclockid`) is summed over the run and given per step; "of it in the step
+end" is the training thread's CPU time inside the step end (reading the frames, queueing them;
+inline: processing them too). The configurations
 run interleaved, `--repeats` times; the table shows medians over repeats.
 
 Models: "demo" (stabilitywatch.demo's TinyGPT, bf16 autocast, AdamW) and "gpt2" (HF GPT-2
@@ -89,7 +91,18 @@ def run_once(model_name: str, cfg: "dict | None", device: str, steps: int, skip:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = (sw.watch(model, opt, config=sw.Config(sinks=("jsonl",), **cfg), run_dir=run_dir)
            if cfg is not None else None)
-    kinds: dict = {"sampled": ([], []), "unsampled": ([], []), "every": ([], [])}
+    kinds: dict = {"sampled": ([], [], []), "unsampled": ([], [], []), "every": ([], [], [])}
+    in_end = [0.0]   # the training thread's CPU time inside the step end (Monitor._end)
+    if mon is not None:
+        end = mon._end
+
+        def timed_end():
+            t = time.thread_time()
+            try:
+                end()
+            finally:
+                in_end[0] += time.thread_time() - t
+        mon._end = timed_end
     proc_cpu, seen = 0.0, {}
     t_all = None
     try:
@@ -99,7 +112,7 @@ def run_once(model_name: str, cfg: "dict | None", device: str, steps: int, skip:
                     torch.cuda.synchronize()
                 t_all = time.perf_counter()
             batch = batch_at(step)
-            c0, w0 = time.thread_time(), time.perf_counter()
+            c0, w0, e0 = time.thread_time(), time.perf_counter(), in_end[0]
             sampled = False
             if mon is None:
                 loss = loss_of(model, batch)
@@ -117,9 +130,10 @@ def run_once(model_name: str, cfg: "dict | None", device: str, steps: int, skip:
             c1, w1 = time.thread_time(), time.perf_counter()
             if step >= skip:
                 kind = "every" if mon is None else "sampled" if sampled else "unsampled"
-                cpu, wall = kinds[kind]
+                cpu, wall, ends = kinds[kind]
                 cpu.append((c1 - c0) * 1e3)
                 wall.append((w1 - w0) * 1e3)
+                ends.append((in_end[0] - e0) * 1e3)
             for t in threading.enumerate():   # the processing thread (a fresh one if replaced)
                 if t.name == THREAD_NAME:
                     seen[t.ident] = max(seen.get(t.ident, 0.0), _cpu_of(t))
@@ -131,8 +145,9 @@ def run_once(model_name: str, cfg: "dict | None", device: str, steps: int, skip:
             mon.close()
     proc_cpu = sum(seen.values())
     out = {"mean_step": mean_step, "proc_cpu": proc_cpu * 1e3 / steps}
-    for k, (cpu, wall) in kinds.items():
-        out[k] = (statistics.mean(cpu), statistics.mean(wall), len(cpu)) if cpu else None
+    for k, (cpu, wall, ends) in kinds.items():
+        out[k] = (statistics.mean(cpu), statistics.mean(wall), len(cpu),
+                  statistics.mean(ends)) if cpu else None
     if mon is not None:
         out["waited"] = mon.processor.waited * 1e3 / steps
     return out
@@ -172,9 +187,9 @@ def main(argv=None) -> int:
                                            a.smoke))
             rows += _rows(model, res)
     print("| model | configuration | step kind (count) | training thread CPU ms | monitor's "
-          "part | wall ms | monitor's part | processing thread CPU ms/step | waited ms/step | "
-          "mean step ms |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "part | of it in the step end | wall ms | monitor's part | processing thread CPU "
+          "ms/step | waited ms/step | mean step ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     return 0
@@ -198,8 +213,10 @@ def _rows(model: str, res: dict) -> list:
             cpu = _med(runs, lambda x: x[kind] and x[kind][0])
             wall = _med(runs, lambda x: x[kind] and x[kind][1])
             mon = n != "no monitor"
+            in_end = _med(runs, lambda x: x[kind] and x[kind][3])
             out.append([model, n, f"{kind} ({count})", f"{cpu:.2f}",
-                        f"{cpu - bcpu:+.2f}" if mon else "", f"{wall:.2f}",
+                        f"{cpu - bcpu:+.2f}" if mon else "", f"{in_end:.2f}" if mon else "",
+                        f"{wall:.2f}",
                         f"{wall - bwall:+.2f}" if mon else "",
                         f"{_med(runs, lambda x: x['proc_cpu']):.2f}" if mon else "",
                         f"{_med(runs, lambda x: x.get('waited', 0.0)):.2f}" if mon else "",

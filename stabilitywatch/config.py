@@ -300,7 +300,8 @@ class Config:
     processing_lag: int = 1
     """With processing="thread": the step ends a frame's processing may trail. At the start of
     step k every frame read at the end of step k-1-lag or earlier is processed (the start
-    waits for it otherwise), so an alert's escalation opens its window lag steps later than inline."""
+    waits for it otherwise), so an alert's escalation opens its window `lag` steps later than
+    inline processing would."""
     processing_timeout: float = 10.0
     """Seconds one stage of a frame's processing (one detector, the capture decision...) may
     take; a stage that takes longer is switched off for the rest of the run (one warning naming

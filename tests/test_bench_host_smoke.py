@@ -17,4 +17,4 @@ def test_bench_host_smoke(capsys):
     assert {("no monitor", "every"), ("default", "sampled"), ("default, inline", "sampled")} \
         <= configs
     for r in rows:
-        assert float(r[3]) > 0 and float(r[5]) > 0   # CPU and wall ms of the training thread
+        assert float(r[3]) > 0 and float(r[6]) > 0   # CPU and wall ms of the training thread
