@@ -128,7 +128,7 @@ class Processor:
         if cur is not None and threading.current_thread() is self._thread:
             tag = cur[0]
         else:
-            tag = self._inline_tag if not self.threaded else 0
+            tag = self._inline_tag if not self.threaded else -(1 << 62)   # any step start
         with self._cond:
             self._requests.append((tag, fn))
 
