@@ -1,6 +1,7 @@
 """Host time to process one step's frame (derived values, detectors, records for the sinks) for
 the row set of a GPT-2-small-shaped model (76 watched modules x 8 roles = 608 rows), without
-running the model: this work runs in the training thread at the end of sampled steps.
+running the model: this work runs on the frame processing thread (stabilitywatch/processing.py;
+the training thread with Config(processing="inline")).
 
     python benchmarks/bench_frame.py [--frames 30] [--sinks jsonl|none] [--smoke]
 

@@ -24,6 +24,7 @@ from .config_sentinel import GuardConfig
 from .config_sinks import SINK_NAMES, SinkConfig  # noqa: F401 (SINK_NAMES: public)
 from .formats import ROW_FORMATS, Fmt
 from .stats.scale import FLT_MAX as _FLT_MAX, FLT_MIN as _FLT_MIN
+from .config_processing import validate_processing_fields
 
 
 class Role(str, enum.Enum):
@@ -122,6 +123,22 @@ class Config:
     """Multi-rank runs: who writes, how often ranks flush, divergence checks (`DistConfig`)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """Skipping steps with non-finite gradients (`GuardConfig`)."""
+    # -- frame processing (stabilitywatch/processing.py; README "Frame processing, off the
+    # training thread"); checked in config_processing.py
+    processing: str = "thread"
+    """Where a step's frame is processed (detectors, incidents, capture decisions, records for the
+    sinks): "thread" (a thread of the monitor's own; the step end only queues the frame) or
+    "inline" (on the training thread at the step end: for debugging, or to read `mon.alerts`
+    step by step)."""
+    processing_lag: int = 1
+    """With processing="thread": the step ends a frame's processing may trail. At the start of
+    step k every frame read at the end of step k-1-lag or earlier is processed (the start
+    waits for it otherwise), so an alert's escalation opens its window `lag` steps later than
+    inline processing would."""
+    processing_timeout: float = 10.0
+    """Seconds one stage of a frame's processing (one detector, the capture decision...) may
+    take; a stage that takes longer is switched off for the rest of the run (one warning naming
+    it) and the frames go on without it."""
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -160,6 +177,7 @@ class Config:
         if self.guard.on_nonfinite == "skip" and not self.sentinel:
             raise ValueError("Config.guard.on_nonfinite='skip' needs Config.sentinel=True (the "
                              "guard decides from the sentinel)")
+        validate_processing_fields(self, set_)  # -- frame processing
 
     # -- presets and files ------------------------------------------------------------------
     @classmethod

@@ -125,6 +125,7 @@ class SentinelControl:
                         type(e).__name__, e)
 
     def on_alerts(self, frame, alerts: list[Alert]) -> list[Alert]:
+        """The step-skipped note on a frame's alerts; an escalation asked for by the worst."""
         sent = frame.sentinel
         if sent is not None and sent.skipped:
             note = ("; step skipped by the guard: its update was not applied (weights and "
@@ -134,8 +135,11 @@ class SentinelControl:
         if self.escalate and not self.multi:
             worst = max(alerts, key=lambda a: a.severity.rank, default=None)
             if worst is not None and worst.severity.rank >= Severity.WARNING.rank:
-                self._escalate(f"{worst.detector} {worst.severity.value} at step {worst.step} "
-                               f"({worst.module or '<model>'} {worst.tensor})")
+                why = (f"{worst.detector} {worst.severity.value} at step {worst.step} "
+                       f"({worst.module or '<model>'} {worst.tensor})")
+                # this runs on the processing thread: the schedule changes on the training
+                # thread, at the step start that settles this frame (processing.py, the lag)
+                self.mon.processor.post(lambda: self._escalate(why))
         return alerts
 
     def _escalate(self, why: str) -> None:

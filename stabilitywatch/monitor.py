@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -41,6 +42,7 @@ from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatc
 from .kernels.backend import kernel_backend
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
+from .processing import Processor
 from .rundir import fresh_run_dir
 from .schedule import Schedule
 from .shadow.metrics import shadow_records
@@ -106,6 +108,12 @@ class Monitor:
                                              release=self._release_frame))
         self.detectors += self.dist.detectors()
         self.cooldown = Cooldown(config.incidents.cooldown)
+        # detectors, incidents, capture decisions and records run off the training thread
+        # (processing.py); `_handle` is looked up per frame, so a wrapper of it sees every frame;
+        # a weak reference: the thread does not keep a monitor that was never closed alive
+        self.processor = Processor(_handler(weakref.ref(self)),
+                                   threaded=config.processing == "thread",
+                                   lag=config.processing_lag, timeout=config.processing_timeout)
         self.incidents = Incidents(config)
         # shadow replicas and logits taps (hooks/extra.py); validates its globs before any I/O
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
@@ -232,6 +240,11 @@ class Monitor:
             log.warning("stabilitywatch: flushing the last steps failed (%s: %s)",
                         type(e).__name__, e)
         finally:
+            try:   # every frame already queued reaches the sinks before they close
+                self.processor.drain()
+            except Exception as e:
+                log.warning("stabilitywatch: processing the last frames failed (%s: %s)",
+                            type(e).__name__, e)
             detach_observers(self.observers)
             self.taps.detach()
             self.extras.detach()
@@ -293,6 +306,8 @@ class Monitor:
     def _begin(self, step: int, batch: Any) -> None:
         if self._step is not None:  # a step left open (an exception outside the with block)
             self._end()
+        # what the frames processed by now asked of this thread (escalation: before the roles)
+        self.processor.at_begin()
         self._boundary()
         self._step = step
         self._on = self.schedule.roles_at(step)
@@ -304,7 +319,9 @@ class Monitor:
         self.taps.weights()
         self.extras.begin_step(self._on)
         if self.capture is not None:
-            self.capture.begin(step, batch, sampled=bool(self._on - {Role.LOSS}))
+            sampled = bool(self._on - {Role.LOSS})
+            self._snapshot_room(sampled)
+            self.capture.begin(step, batch, sampled=sampled)
 
     def _end(self) -> None:
         self.sentinel.at_end()
@@ -404,16 +421,34 @@ class Monitor:
 
     def _process(self, block: bool) -> None:
         # once per step end (block=False) and at close: the coordinator decides, identically on
-        # every rank, when the frames go through the cross-rank collective
+        # every rank, when the frames go through the cross-rank collective; what the frames need
+        # from this thread is settled here, the rest is queued for the processing thread
         frames = self.dist.frames(self.buffer, final=block)
         self.control.on_polled()
         for frame in frames:
             self.frames_seen += 1
-            try:
-                self._handle(frame)
-            except Exception as e:
-                self._warn_once("detectors", f"processing step {frame.step} failed "
-                                f"({type(e).__name__}: {e})")
+            if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
+                frame.sentinel = self.buffer.sentinel_of(frame.step)
+            frame.rerun = self.inplace.is_rerun_frame(frame)
+        # the guard holds the weights until the capture of a skipped step has its copy, which
+        # only this thread can take: such a step (a rare one) is processed here, so the bundle
+        # is written before its alerts go out and the guard lets go at this boundary, as with
+        # inline processing, instead of skipping `lag` more steps
+        self.processor.submit(frames, inline=self.capture is not None
+                              and any(_guard_skipped(f) for f in frames))
+
+    def _snapshot_room(self, sampled: bool) -> None:
+        """A snapshot needs a free slot of the capture ring; the slots are freed as the frames
+        of their steps are processed: when every one is held by a frame still queued, wait
+        for the processing (bounded by processing_timeout per stage)."""
+        cap = self.capture
+        try:
+            snap, policy = cap.snap, cap.policy.value
+            full = not snap.disabled and all(s.step is not None for s in snap.slots)
+        except AttributeError:
+            return
+        if full and policy != "off" and (sampled or policy == "every") and self.processor.backlog:
+            self.processor.wait_all()
 
     def _release_frame(self, frame: StatsFrame) -> None:
         """A frame another rank processes (rank0 mode): its capture snapshot is freed here."""
@@ -421,48 +456,67 @@ class Monitor:
             self.capture.on_frame(frame, [])
 
     def _handle(self, frame: StatsFrame) -> None:
+        """Detectors, incidents, capture, records and sinks for one frame: on the processing
+        thread (processing.py), each part a stage of its own."""
+        run = self.processor.stage
+        step = frame.step
         if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
-            frame.sentinel = self.buffer.sentinel_of(frame.step)
-        if self.inplace.is_rerun_frame(frame):   # only where the values first went bad
+            frame.sentinel = self.buffer.sentinel_of(step)
+        if getattr(frame, "rerun", False):   # only where the values first went bad
             alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
                       for d in self.detectors if d.name == "nonfinite"
-                      for a in d.check(frame) if self.cooldown.allow(a)]
-            alerts, _ = self.incidents.group(frame, alerts)   # the skipped step's incident
-            if self.capture is not None:
-                alerts = self.capture.on_frame(frame, alerts)
+                      for a in run(f"detector '{d.name}'", d.check, frame, key=("det", id(d)),
+                                   default=[], step=step) if self.cooldown.allow(a)]
+            alerts, _ = run("grouping into incidents", self.incidents.group, frame, alerts,
+                            default=(alerts, []), step=step)   # the skipped step's incident
+            alerts = self._capture(frame, alerts)
+            self.processor.check_live()
             for a in alerts:
                 self.alerts.append(a)
                 self.sinks.alert(a)
             return
         # change points are evidence for incidents, not alerts of their own, and each bad write
         # is an event of its own: no cooldown for either
-        alerts = [a for det in self.detectors for a in det.check(frame)
+        alerts = [a for det in self.detectors
+                  for a in run(f"detector '{det.name}'", det.check, frame, key=("det", id(det)),
+                               default=[], step=step)
                   if is_change_point(a) or a.detector in CAUSES or self.cooldown.allow(a)]
         alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
         # incidents: roots first (the order sinks receive is alerts.jsonl's file order); change
         # points in no incident go to stats.jsonl
-        alerts, changes = self.incidents.group(frame, alerts)
-        alerts = self.control.on_alerts(frame, alerts)   # "step skipped"; escalation
-        if self.capture is not None:  # writes a bundle when asked for; sets Alert.capture
-            alerts = self.capture.on_frame(frame, alerts)
+        alerts, changes = run("grouping into incidents", self.incidents.group, frame, alerts,
+                              default=(alerts, []), step=step)
+        # "step skipped"; escalation (posted to the training thread)
+        alerts = run("the guard's notes and escalation", self.control.on_alerts, frame, alerts,
+                     default=alerts, step=step)
+        alerts = self._capture(frame, alerts)
+        recs = run("stats records", self._records, frame, default=[], step=step)
+        if changes and recs:
+            recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
+                                                    if k not in ("module", "tensor", "stats")})
+        self.processor.check_live()
         for a in alerts:
             self.alerts.append(a)
             self.sinks.alert(a)
-        recs = self._records(frame)
-        if changes:
-            recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
-                                                    if k not in ("module", "tensor", "stats")})
         self.sinks.log(recs)
+
+    def _capture(self, frame: StatsFrame, alerts: list) -> list:
+        # writes a bundle when asked for; sets Alert.capture
+        if self.capture is None:
+            return alerts
+        return self.processor.stage("capture", self.capture.on_frame, frame, alerts,
+                                    default=alerts, step=frame.step)
 
     def _records(self, frame: StatsFrame) -> list[dict]:
         base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
         if self.schedule.escalated(frame.step):
             base["escalated"] = True
-        recs = [{**base, "module": m, "tensor": r, "stats": frame.derived(i)}
+        derived = frame.derived
+        recs = [dict(base, module=m, tensor=r, stats=derived(i))
                 for i, (m, r) in enumerate(frame.keys)]
-        grad_sq = [float(frame.rows[i][Stat.SUMSQ]) for i, (_, r) in enumerate(frame.keys)
-                   if r == "grad" or r.startswith("grad.")]
+        grad = [i for i, (_, r) in enumerate(frame.keys) if r == "grad" or r.startswith("grad.")]
+        grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if grad else []   # one array op
         sent = frame.sentinel
         if grad_sq or sent is not None:
             # the gradient rows on steps that read them, else the sentinel (every step)
@@ -498,6 +552,19 @@ class Monitor:
         except OSError as e:
             log.warning("stabilitywatch: cannot write %s (%s); going on without it",
                         self.run_dir / name, e)
+
+
+def _guard_skipped(frame: StatsFrame) -> bool:
+    sent = frame.sentinel
+    return sent is not None and bool(sent.skipped or sent.any_rank_bad)
+
+
+def _handler(ref: "weakref.ref[Monitor]"):
+    def handle(frame: StatsFrame) -> None:
+        mon = ref()
+        if mon is not None:
+            mon._handle(frame)
+    return handle
 
 
 def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

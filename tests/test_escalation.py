@@ -79,10 +79,16 @@ def test_a_tripped_sentinel_switches_to_full_sampling_for_the_window_then_back(t
         assert not any(r.get("escalated") for r in recs if r["step"] in (4, 8, 10))
 
 
-def test_a_warning_alert_escalates(tmp_path):
-    # a loss spike (warning) on an unsampled step: the steps after it read every role
+@pytest.mark.parametrize("processing,lag", [("thread", 1), ("thread", 0), ("inline", 0),
+                                            ("thread", 2)],
+                         ids=["thread-lag1", "thread-lag0", "inline", "thread-lag2"])
+def test_a_warning_alert_escalates(tmp_path, processing, lag):
+    # a loss spike (warning) on an unsampled step: the steps after it read every role. The
+    # alert comes from the frame of step 6, read at its end (CPU); processed inline, its
+    # escalation opens the window at step 7, processed on the thread `lag` steps later
     config = sw.Config(every=10, warmup=0, escalate_steps=2, sinks=("jsonl",),
-                       detectors=("spike",), spike={"min_history": 3})
+                       detectors=("spike",), spike={"min_history": 3}, processing=processing,
+                       processing_lag=lag)
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -99,7 +105,9 @@ def test_a_warning_alert_escalates(tmp_path):
     spikes = [a for a in mon.alerts if a.detector == "spike" and a.tensor == "loss"]
     assert spikes and spikes[0].step == 6
     recs = [json.loads(line) for line in open(tmp_path / "stats.jsonl")]
-    assert _output_steps(recs) == [0, 7, 8, 10]
+    first = 7 + (lag if processing == "thread" else 0)
+    assert _output_steps(recs) == sorted({0, first, first + 1, 10})
+    assert mon.schedule.windows[0][:2] == (first, first + 2)
 
 
 def test_forward_inf_says_forward_then_escalation_names_the_module(tmp_path):

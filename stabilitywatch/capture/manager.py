@@ -120,9 +120,12 @@ class CaptureManager:
                         and any(
                             matches(self.triggers, a.detector, a.severity.value) for a in alerts):
                     alerts = self._decide(frame, alerts)
-                    if self._pending and self._pending[-1].step == frame.step and \
-                            threading.get_ident() == self._thread:
-                        now = self._pending[-1]
+                    last = self._pending[-1] if self._pending else None
+                    # a copy of the current state needs the training thread (at a boundary);
+                    # a snapshot slot, the held state or no state at all can be written here
+                    if last is not None and last.step == frame.step and (
+                            threading.get_ident() == self._thread or last.source != "current"):
+                        now = last
             except Exception as e:
                 self._warn("error", f"capture of step {frame.step} failed ({type(e).__name__}: "
                                     f"{e}); training goes on, the alert is recorded without a "
@@ -136,8 +139,9 @@ class CaptureManager:
                     self.snap.release_through(seq, keep={p.seq for p in self._pending
                                                          if p.source == "slot" and not p.taken})
         if now is not None:
-            # on the training thread, frames are handled between steps: a boundary already, so
-            # the bundle is written before its alerts go out (a failed write: capture null)
+            # written before its alerts go out (a failed write: capture null): on the training
+            # thread frames are handled between steps, a boundary already; on the processing
+            # thread only bundles that need no copy of live tensors get here
             self._take(now)
             if not self._write(now):
                 alerts = [dataclasses.replace(a, capture=None) for a in alerts]

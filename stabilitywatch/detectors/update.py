@@ -31,11 +31,12 @@ def update_ratios(frame: StatsFrame) -> dict[str, tuple[float, float, float]]:
     """{module: (||dW|| / ||W||, ||dW||, ||W||)} over the module's parameters with both rows."""
     weight_sq = {}
     upd: dict[str, list] = {}
-    for i, (m, r) in enumerate(frame.keys):
+    sumsq = frame.rows[:, Stat.SUMSQ].tolist()   # one array op: indexing rows one by one is slow
+    for (m, r), sq in zip(frame.keys, sumsq):
         if r == UPDATE or r.startswith(UPDATE + "."):
-            upd.setdefault(m, []).append((_weight_role(r), float(frame.rows[i][Stat.SUMSQ])))
+            upd.setdefault(m, []).append((_weight_role(r), sq))
         else:
-            weight_sq[(m, r)] = float(frame.rows[i][Stat.SUMSQ])
+            weight_sq[(m, r)] = sq
     out = {}
     for m, parts in upd.items():
         du = sum(v for r, v in parts if (m, r) in weight_sq)
