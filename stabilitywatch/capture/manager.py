@@ -51,6 +51,7 @@ class _Pending:
     held: Optional[tuple[int, int]] = None
     state: Optional[StateCopy] = None
     taken: bool = False
+    claimed: bool = False            # the thread that decided on it takes and writes it
     escalated: list = dataclasses.field(default_factory=list)
     done: bool = False
     batch_tensors: Optional[dict] = None
@@ -125,7 +126,7 @@ class CaptureManager:
                     # a snapshot slot, the held state or no state at all can be written here
                     if last is not None and last.step == frame.step and (
                             threading.get_ident() == self._thread or last.source != "current"):
-                        now = last
+                        now, last.claimed = last, True
             except Exception as e:
                 self._warn("error", f"capture of step {frame.step} failed ({type(e).__name__}: "
                                     f"{e}); training goes on, the alert is recorded without a "
@@ -259,7 +260,7 @@ class CaptureManager:
         skipped steps through it."""
         with self._lock:
             decided = self._decided
-            todo = [p for p in self._pending if not p.taken]
+            todo = [p for p in self._pending if not p.taken and not p.claimed]
         for p in todo:
             self._take(p)
             self._write(p)
