@@ -89,12 +89,13 @@ def test_sentinel_and_guard_do_not_sync(tmp_path):
     crit = [a for a in mon.alerts if a.severity.value == "critical"]
     assert crit and crit[0].step == 4 and crit[0].tensor.startswith("grad")
     assert crit[0].extra.get("skipped") is True
-    # its bundle: the guard held step 4's state (frames are read a step late: step 5 skipped
-    # too) and the capture copied it at a step boundary, without a sync the debug mode flags
+    # its bundle: the guard held step 4's state (step 5 skipped too when the GPU runs a step
+    # behind and the frame is read at step 5's end) and the capture copied it at a step
+    # boundary, without a sync the debug mode flags
     from stabilitywatch.capture.reader import open_capture
     cap = open_capture(tmp_path / crit[0].capture)
     held = cap.manifest["held"]
-    assert cap.manifest["lacks"] == [] and held["first"] == 4 and held["skipped_steps"] >= 2
+    assert cap.manifest["lacks"] == [] and held["first"] == 4 and held["skipped_steps"] >= 1
     assert crit[0].extra["held_steps"] == held["skipped_steps"]
     name = next(n for n, p in model.named_parameters() if p is target)
     assert torch.equal(cap.tensors("model")[name], w.cpu())

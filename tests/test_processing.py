@@ -78,7 +78,7 @@ def _train(mon, model, opt, steps, durations=None):
 
 def _cfg(**kw):
     return sw.Config(**{"every": 1, "warmup": 0, "sinks": ("jsonl",), "detectors": (),
-                        "capture": (), "escalate_steps": 0, "alert_cooldown": 0, **kw})
+                        "capture": (), "escalate_steps": 0, "incidents": {"cooldown": 0}, **kw})
 
 
 def _stat_steps(run_dir):
@@ -279,8 +279,8 @@ def test_a_snapshot_waits_for_the_frames_that_hold_the_capture_ring(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     probe = Probe(delay=0.3)
-    mon = sw.watch(model, opt, config=_cfg(processing_lag=3, capture=("critical",),
-                                           capture_ring=2), run_dir=tmp_path)
+    mon = sw.watch(model, opt, config=_cfg(processing_lag=3, capture={
+        "triggers": ("critical",), "ring": 2, "snapshot": "every"}), run_dir=tmp_path)
     mon.detectors.append(probe)
     g = torch.Generator().manual_seed(1)
     for step in range(5):
