@@ -163,6 +163,17 @@ def lowest_with_shift(codes: np.ndarray) -> np.ndarray:
     return np.where(codes > UNSET_CODE, -codes / 2.0, -1.0)
 
 
+def _selected(lf, tables: Tables, rows_kinds):
+    """The rows of one LocalFrame that this reduction carries: (their indexes in the frame,
+    their rows in the table, the rows, their kinds), or None when there are none."""
+    keep = [i for i, kind in enumerate(lf.kinds) if rows_kinds(kind)]
+    if not keep:
+        return None
+    j = np.array([tables.row_index[lf.key_ids[i]] for i in keep])
+    rows = np.asarray(lf.frame.rows, dtype=np.float64)[keep]
+    return keep, j, rows, np.array([lf.kinds[i] for i in keep], dtype=np.int64)
+
+
 def pack_max(lfs_by_slot: list, tables: Tables, rank: int, rows_kinds,
              lowest: np.ndarray) -> np.ndarray:
     """[slots, rows, WA] for the given slots (a LocalFrame or None each); `lowest`: the rank
@@ -171,12 +182,10 @@ def pack_max(lfs_by_slot: list, tables: Tables, rank: int, rows_kinds,
     for s, lf in enumerate(lfs_by_slot):
         if lf is None:
             continue
-        keep = [i for i, kind in enumerate(lf.kinds) if rows_kinds(kind)]
-        if not keep:
+        sel = _selected(lf, tables, rows_kinds)
+        if sel is None:
             continue
-        j = np.array([tables.row_index[lf.key_ids[i]] for i in keep])
-        rows = np.asarray(lf.frame.rows, dtype=np.float64)[keep]
-        kinds = np.array([lf.kinds[i] for i in keep], dtype=np.int64)
+        keep, j, rows, kinds = sel
         kind = kinds & 3
         o = out[s]
         o[j, A_HI] = rank
@@ -215,12 +224,10 @@ def pack_sum(lfs_by_slot: list, tables: Tables, rank: int, rows_kinds,
     for s, lf in enumerate(lfs_by_slot):
         if lf is None:
             continue
-        keep = [i for i, kind in enumerate(lf.kinds) if rows_kinds(kind)]
-        if not keep:
+        sel = _selected(lf, tables, rows_kinds)
+        if sel is None:
             continue
-        j = np.array([tables.row_index[lf.key_ids[i]] for i in keep])
-        rows = np.asarray(lf.frame.rows, dtype=np.float64)[keep]
-        kinds = np.array([lf.kinds[i] for i in keep], dtype=np.int64)
+        keep, j, rows, kinds = sel
         kind = kinds & 3
         owned = amax[s, j, A_USE] > 0
         use = (kind != REPLICATED) & (((kind != SHARDED) | ((kinds & OWNER) != 0)) | ~owned)
