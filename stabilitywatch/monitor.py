@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -43,14 +42,12 @@ from .kernels.backend import kernel_backend
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
 from .processing import Processor
+from .records import frame_records
 from .rundir import fresh_run_dir
 from .schedule import Schedule
-from .shadow.metrics import shadow_records
-from .detectors.update import update_records
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
-from .stats.layout import Stat
 from .stats.reference import is_supported
 
 log = logging.getLogger("stabilitywatch")
@@ -198,7 +195,7 @@ class Monitor:
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record the loss of the current step (no host sync)."""
         if not isinstance(loss, torch.Tensor):
-            if loss is not None:  # a float (loss.item()) has no device row to go to
+            if loss is not None:  # sync-ok: not a tensor; a float (loss.item()) has no row
                 self._warn_once("observe_loss", f"observe_loss needs the loss tensor, got "
                                 f"{type(loss).__name__}; not recorded")
             return
@@ -441,13 +438,7 @@ class Monitor:
         """A snapshot needs a free slot of the capture ring; the slots are freed as the frames
         of their steps are processed: when every one is held by a frame still queued, wait
         for the processing (bounded by processing_timeout per stage)."""
-        cap = self.capture
-        try:
-            snap, policy = cap.snap, cap.policy.value
-            full = not snap.disabled and all(s.step is not None for s in snap.slots)
-        except AttributeError:
-            return
-        if full and policy != "off" and (sampled or policy == "every") and self.processor.backlog:
+        if self.capture.ring_full(sampled) and self.processor.backlog:
             self.processor.wait_all()
 
     def _release_frame(self, frame: StatsFrame) -> None:
@@ -459,9 +450,7 @@ class Monitor:
         """Detectors, incidents, capture, records and sinks for one frame: on the processing
         thread (processing.py), each part a stage of its own."""
         run = self.processor.stage
-        step = frame.step
-        if frame.sentinel is None:   # a frame merged across ranks: this rank's sentinel
-            frame.sentinel = self.buffer.sentinel_of(step)
+        step = frame.step   # _process gave a merged frame this rank's sentinel
         if getattr(frame, "rerun", False):   # only where the values first went bad
             alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
                       for d in self.detectors if d.name == "nonfinite"
@@ -469,11 +458,7 @@ class Monitor:
                                    default=[], step=step) if self.cooldown.allow(a)]
             alerts, _ = run("grouping into incidents", self.incidents.group, frame, alerts,
                             default=(alerts, []), step=step)   # the skipped step's incident
-            alerts = self._capture(frame, alerts)
-            self.processor.check_live()
-            for a in alerts:
-                self.alerts.append(a)
-                self.sinks.alert(a)
+            self._emit(self._capture(frame, alerts))
             return
         # change points are evidence for incidents, not alerts of their own, and each bad write
         # is an event of its own: no cooldown for either
@@ -494,11 +479,14 @@ class Monitor:
         if changes and recs:
             recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
                                                     if k not in ("module", "tensor", "stats")})
-        self.processor.check_live()
+        self._emit(alerts)
+        self.sinks.log(recs)
+
+    def _emit(self, alerts: list) -> None:
+        self.processor.check_live()   # a replaced processing thread writes nothing
         for a in alerts:
             self.alerts.append(a)
             self.sinks.alert(a)
-        self.sinks.log(recs)
 
     def _capture(self, frame: StatsFrame, alerts: list) -> list:
         # writes a bundle when asked for; sets Alert.capture
@@ -512,21 +500,7 @@ class Monitor:
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
         if self.schedule.escalated(frame.step):
             base["escalated"] = True
-        derived = frame.derived
-        recs = [dict(base, module=m, tensor=r, stats=derived(i))
-                for i, (m, r) in enumerate(frame.keys)]
-        grad = [i for i, (_, r) in enumerate(frame.keys) if r == "grad" or r.startswith("grad.")]
-        grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if grad else []   # one array op
-        sent = frame.sentinel
-        if grad_sq or sent is not None:
-            # the gradient rows on steps that read them, else the sentinel (every step)
-            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
-            if sent is not None:
-                norm["nonfinite"] = sent.nonfinite_total
-                if not grad_sq and frame.world_size > 1:
-                    norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
-            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
-        return recs + shadow_records(frame, base) + update_records(frame, base)
+        return frame_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

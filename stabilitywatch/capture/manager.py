@@ -110,6 +110,14 @@ class CaptureManager:
             self.snap.disabled = True
             self._warn("snap", f"start-of-step snapshots switched off ({type(e).__name__}: {e})")
 
+    def ring_full(self, sampled: bool) -> bool:
+        """True when this step would take a start-of-step snapshot and every slot of the ring
+        is still held (by frames not yet decided on)."""
+        takes = self.policy is SnapshotPolicy.EVERY or (sampled and
+                                                         self.policy is SnapshotPolicy.SAMPLED)
+        return (takes and not self.snap.disabled
+                and all(s.step is not None for s in self.snap.slots))
+
     # -- any thread: decide and queue ----------------------------------------------------------
     def on_frame(self, frame: Any, alerts: list[Alert]) -> list[Alert]:
         """The alerts of one step, with `capture` set when a bundle is queued for it."""

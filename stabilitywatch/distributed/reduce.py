@@ -165,7 +165,9 @@ def lowest_with_shift(codes: np.ndarray) -> np.ndarray:
 
 def _selected(lf, tables: Tables, rows_kinds):
     """The rows of one LocalFrame that this reduction carries: (their indexes in the frame,
-    their rows in the table, the rows, their kinds), or None when there are none."""
+    their rows in the table, the rows, their kinds), or None when there are none (or no frame)."""
+    if lf is None:
+        return None
     keep = [i for i, kind in enumerate(lf.kinds) if rows_kinds(kind)]
     if not keep:
         return None
@@ -180,8 +182,6 @@ def pack_max(lfs_by_slot: list, tables: Tables, rank: int, rows_kinds,
     whose shift each row takes (lowest_with_shift)."""
     out = np.full((len(lfs_by_slot), len(tables.rows), WA), NEG)
     for s, lf in enumerate(lfs_by_slot):
-        if lf is None:
-            continue
         sel = _selected(lf, tables, rows_kinds)
         if sel is None:
             continue
@@ -222,8 +222,6 @@ def pack_sum(lfs_by_slot: list, tables: Tables, rank: int, rows_kinds,
     out = np.zeros((len(lfs_by_slot), len(tables.rows), WB))
     ks = shifts(amax)
     for s, lf in enumerate(lfs_by_slot):
-        if lf is None:
-            continue
         sel = _selected(lf, tables, rows_kinds)
         if sel is None:
             continue
