@@ -17,9 +17,10 @@ class DistMode(str, enum.Enum):
 
 
 class DistBackend(str, enum.Enum):
-    """Which process group carries the flush collective."""
+    """Which process group carries the flush collectives."""
+    AUTO = "auto"            # the job's group when it is NCCL (on the device), else gloo
     GLOO = "gloo"            # a CPU gloo side group made at watch(): never touches the GPU streams
-    DEFAULT = "default"      # the job's default group (NCCL: the payload goes through the GPU)
+    DEFAULT = "default"      # the job's default group (NCCL: on the device, read a step later)
 
 
 class DistMerge(str, enum.Enum):
@@ -45,12 +46,17 @@ class DistConfig:
     must be identical under DDP) and name the rank that differs (detector "divergence"). Switch
     off when ranks hold different plain-tensor parameters (pipeline or tensor parallelism
     without DTensor)."""
-    backend: DistBackend = DistBackend.GLOO
-    """"gloo": the flush goes through a CPU gloo group made at watch() (never waits for the GPU,
-    never mixes with the job's NCCL collectives); "default": the job's own group."""
+    backend: DistBackend = DistBackend.AUTO
+    """"auto": the job's own group when it is NCCL (as "default"), else "gloo". "default": the
+    job's default group; with merge="reduce" each reduction is queued on the current stream
+    (ordered with the job's collectives), its result read at the next step end, so the host
+    never waits for it and a flush's frames come one step end per round later; a failing
+    collective fails the job, as its own would. "gloo": a CPU gloo side group made at watch()
+    (never touches the GPU streams), with the bounded `timeout` and per-rank files after it;
+    CPU jobs, and merge="gather", use it under "auto"."""
     timeout: float = 300.0
-    """Seconds a flush collective may take; after that (a rank died) each rank goes on alone,
-    writing per-rank files."""
+    """Seconds a flush collective on the gloo side group may take; after that (a rank died)
+    each rank goes on alone, writing per-rank files."""
     merge: DistMerge = DistMerge.REDUCE
     """"reduce": a flush is a few all-reduces (SUM, MAX) of packed rows, the same bytes per
     rank at any world size; ranks are named by the extremes of their ids (docs/distributed.md).

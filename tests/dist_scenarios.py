@@ -50,11 +50,11 @@ def _flip_lowest_bit(p: torch.Tensor, index: int = 5) -> None:
 def _common(mon) -> dict:
     return {"alerts": [a.to_dict() for a in mon.alerts], "flushes": mon.dist.flushes,
             "collectives": mon.dist.collectives, "detached": mon.dist.detached,
-            "frames_seen": mon.frames_seen}
+            "frames_seen": mon.frames_seen, "path": getattr(mon.dist, "path", None)}
 
 
 # -- DDP: a flipped bit on one rank -------------------------------------------------------------
-def ddp_bitflip(rank, world, run_dir, device="cpu", dist_backend="gloo", dist_mode="rank0",
+def ddp_bitflip(rank, world, run_dir, device="cpu", dist_backend="auto", dist_mode="rank0",
                 flip_step=4, steps=8, dist_merge="reduce"):
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
@@ -104,10 +104,11 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-def nan_one_rank(rank, world, run_dir, nan_step=4, steps=9):
+def nan_one_rank(rank, world, run_dir, nan_step=4, steps=9, dist_backend="auto"):
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    cfg = sw.Config(**QUIET, dist={"flush_every": 3, "divergence": False}, capture=())
+    cfg = sw.Config(**QUIET, dist={"flush_every": 3, "divergence": False,
+                                   "backend": dist_backend}, capture=())
     mon = sw.watch(model, opt, config=cfg, run_dir=run_dir)
     losses = []
     for step, x in enumerate(_batches(rank, steps)):
@@ -166,7 +167,7 @@ def _compare(frames, expected: dict, rtol: float = 1e-12) -> dict:
     return {"mismatch": mism, "compared": seen, "kinds": kinds}
 
 
-def fsdp2(rank, world, run_dir, steps=3, device="cpu", dist_backend="gloo"):
+def fsdp2(rank, world, run_dir, steps=3, device="cpu", dist_backend="auto"):
     """Real FSDP2 (fully_shard) on CPU/gloo: merged rows of sharded weights, gradients and Adam
     state equal the rows of the unsharded tensors (fingerprints included)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -256,11 +257,12 @@ def dtensor_by_hand(rank, world, run_dir, flip_step=1, steps=3):
 
 
 # -- a rank that leaves, a rank that dies ---------------------------------------------------------
-def rank_leaves(rank, world, run_dir, leave_after=2, steps=6):
+def rank_leaves(rank, world, run_dir, leave_after=2, steps=6, dist_backend="auto"):
     """Rank 1 closes its monitor early (its loop ended); rank 0 must go on without waiting for
     the collective timeout."""
     model = _mlp()
-    cfg = sw.Config(**QUIET, dist={"divergence": False, "timeout": 20}, capture=())
+    cfg = sw.Config(**QUIET, dist={"divergence": False, "timeout": 20,
+                                   "backend": dist_backend}, capture=())
     mon = sw.watch(model, config=cfg, run_dir=run_dir)
     t0 = time.monotonic()
     n = leave_after if rank == 1 else steps

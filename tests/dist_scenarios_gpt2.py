@@ -59,7 +59,7 @@ def _device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
 
-def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu"):
+def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu", dist_backend="auto"):
     """A NaN in rank 1's shard of one gradient on an unsampled step, the guard on: both ranks
     skip that step; rank 0's incident names rank 1, the module, the role (and the shard)."""
     dev = _device(device, rank)
@@ -67,7 +67,7 @@ def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu"
     net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = sw.Config(sinks=("jsonl",), every=4, warmup=0, capture=(), guard={"on_nonfinite": "skip"},
-                    dist={"timeout": 60})
+                    dist={"timeout": 60, "backend": dist_backend})
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
     before = after = None
@@ -89,17 +89,19 @@ def gpt2_nan(rank, world, run_dir, wrap="ddp", nan_step=5, steps=8, device="cpu"
     finite = all(bool(torch.isfinite(_local(p.detach())).all())   # sync-ok: after the run
                  for p in model.parameters())
     return {"alerts": [a.to_dict() for a in mon.alerts], "unchanged_at_nan": before == after,
+            "path": getattr(mon.dist, "path", None),
             "digest": _digest(model), "finite": finite, "module": prefix + BLOCK,
             "local_shape": list(_local(target.detach()).shape)}
 
 
-def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5, device="cpu"):
+def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5, device="cpu", dist_backend="auto"):
     """A flipped exponent bit in rank 1's copy (DDP) or shard (FSDP2) of one weight."""
     dev = _device(device, rank)
     model = _gpt2().to(dev)
     net, prefix = _wrap(model, wrap, world, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(), dist={"timeout": 60})
+    cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(),
+                    dist={"timeout": 60, "backend": dist_backend})
     mon = sw.watch(net, opt, config=cfg, run_dir=run_dir)
     target = model.get_submodule(BLOCK).weight
     for step, ids in enumerate(_batches(rank, steps, dev)):
@@ -117,7 +119,7 @@ def gpt2_bitflip(rank, world, run_dir, wrap="ddp", flip_step=3, steps=5, device=
 
 
 # -- the payload at several world sizes ----------------------------------------------------------
-def payload(rank, world, run_dir, steps=4):
+def payload(rank, world, run_dir, steps=4, dist_backend="auto"):
     """The same DDP run with the reduction and with the all-gather: bytes this rank sent per
     flush, and (rank 0) the merged records of both."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,7 +130,7 @@ def payload(rank, world, run_dir, steps=4):
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         cfg = sw.Config(sinks=("jsonl",), every=1, warmup=0, capture=(),
-                        dist={"merge": merge, "timeout": 60})
+                        dist={"merge": merge, "timeout": 60, "backend": dist_backend})
         d = Path(run_dir) / merge
         mon = sw.watch(ddp, opt, config=cfg, run_dir=d)
         g = torch.Generator().manual_seed(1000 + rank)

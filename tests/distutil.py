@@ -37,6 +37,7 @@ def _entry(rank, world, port, out, scenarios, backend, pg_timeout):
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     import dist_scenarios
+    import dist_scenarios_device
     import dist_scenarios_gpt2
     try:
         for item in scenarios:
@@ -45,7 +46,9 @@ def _entry(rank, world, port, out, scenarios, backend, pg_timeout):
             d.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
             try:
-                fn = getattr(dist_scenarios, name, None) or getattr(dist_scenarios_gpt2, name)
+                fn = getattr(dist_scenarios, name, None) or getattr(dist_scenarios_device, name,
+                                                                    None) \
+                    or getattr(dist_scenarios_gpt2, name)
                 res = fn(rank, world, d, **kwargs) or {}
                 res["ok"] = True
             except BaseException:

@@ -297,7 +297,7 @@ def test_divergence_majority_and_tolerance():
 def test_dist_config_fields():
     c = sw.Config()
     assert (c.dist.mode.value, c.dist.flush_every, c.dist.divergence, c.dist.backend.value) == \
-        ("rank0", 1, True, "gloo")
+        ("rank0", 1, True, "auto")
     with pytest.raises(ValueError, match=r"dist\.mode"):
         sw.Config(dist={"mode": "everyone"})
     with pytest.raises(ValueError, match=r"dist\.flush_every"):

@@ -34,7 +34,7 @@ import torch
 from ..config_distributed import DistBackend, DistMerge, DistMode
 from ..stats.buffer import Phase
 from ..stats.layout import N_STATS
-from . import reduce, rounds, wire
+from . import deferred, reduce, rounds, wire
 from .comm import Comm
 from .dtensor import placement, shard_rows, to_local
 from .merge import LocalFrame, _stack, local_frames, merged_frames, payload_rows
@@ -109,12 +109,21 @@ class DistCoordinator(Coordinator):
         self.merge: DistMerge = cfg.dist.merge
         self.group = None
         self.device = torch.device("cpu")
-        if cfg.dist.backend is DistBackend.GLOO:
+        nccl = dist.get_backend() == "nccl"
+        backend = cfg.dist.backend
+        if backend is DistBackend.AUTO:
+            backend = DistBackend.DEFAULT if nccl and self.merge is DistMerge.REDUCE \
+                else DistBackend.GLOO
+        if backend is DistBackend.GLOO:
             # a CPU side group: our collectives never queue behind (or between) the job's own,
             # and never wait for the GPU. Making it is a collective: watch() runs on every rank.
             self.group = dist.new_group(backend="gloo", timeout=self.timeout)
-        elif dist.get_backend() == "nccl":
+        elif nccl:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # the job's group with the reduction: queued on the device, read a step end later
+        self.flights = deferred.Flights(deferred.Ops(dist, None, self.device)) \
+            if backend is DistBackend.DEFAULT and self.merge is DistMerge.REDUCE else None
+        self.path = "device" if self.flights is not None else backend.value
         self.capacity = INITIAL_CAPACITY
         self.names: dict[int, tuple[str, str]] = {}
         self.flushes = 0
@@ -152,18 +161,59 @@ class DistCoordinator(Coordinator):
         if self.detached:
             return self._fallback(buffer.poll(block=final, rank=self.run.rank,
                                               world_size=self.world))
+        done = []
+        if self.flights is not None:   # at close too: as the other ranks do at a step end
+            try:
+                done = self._landed(self.flights.advance())
+            except Exception as e:
+                done = self._flights_failed(e, [])
+            if self.detached:
+                return done + self._fallback(buffer.poll(block=final, rank=self.run.rank,
+                                                         world_size=self.world))
         if final:
             take, cut = buffer.pending, self._ends
         elif self._ends % self.every == 0:
             take, cut = sum(1 for e in self._entry_end if e < self._ends), self._ends - 1
         else:
-            return []
+            return done
         got = buffer.poll(block=True, limit=take, rank=self.run.rank, world_size=self.world)
         local = [self._local_frame(self._entry_end.popleft(), f) for f in got]
         first, self._cut = self._cut + 1, cut
+        if self.flights is not None:
+            return done + self._launch(local, first, final)
         if self.merge is DistMerge.REDUCE:
             return self._reduce(local, first, final)
         return self._flush(local, final)
+
+    # -- the reductions on the job's group, read a step end later (deferred.py) ----------------
+    def _launch(self, local: list, first: int, final: bool) -> list:
+        self.flushes += 1
+        window = self._window(local, first)
+        try:
+            self.flights.start(rounds.plan(window, self.tables, self.rank,
+                                           full=self.mode is DistMode.RANK0,
+                                           compare=self.compare, final=final, stop_mixed=True),
+                               (window, local))
+            self.collectives = self.comm.calls + self.flights.ops.calls
+            return self._landed(self.flights.drain()) if final else []
+        except Exception as e:
+            return self._flights_failed(e, [])
+
+    def _landed(self, done: list) -> list:
+        self.collectives = self.comm.calls + self.flights.ops.calls
+        out = []
+        for (window, local), red in done:
+            if red.stopped:      # ranks that close and ranks that go on: each its own from now
+                rest = [lf for _, lc in self.flights.abandon() for lf in lc]
+                self._detach("a rank closed its monitor")
+                return out + self._fallback([lf.frame for lf in local + rest])
+            out += self._frames_of(red, window, local)
+        return out
+
+    def _flights_failed(self, e: Exception, done: list) -> list:
+        rest = [lf for _, lc in self.flights.abandon() for lf in lc]
+        self._detach(f"the flush reduction failed ({type(e).__name__}: {e})")
+        return done + self._fallback([lf.frame for lf in rest])
 
     def _local_frame(self, end: int, frame) -> LocalFrame:
         ids, kinds = [], []
@@ -242,11 +292,15 @@ class DistCoordinator(Coordinator):
         return payloads
 
     # -- the reductions (rounds.py) -----------------------------------------------------------
-    def _reduce(self, local: list, first: int, final: bool) -> list:
-        self.flushes += 1
+    def _window(self, local: list, first: int) -> list:
         window = [None] * self.every
         for lf in local:
             window[lf.end - first] = lf    # the flush covers ends first .. first + every - 1
+        return window
+
+    def _reduce(self, local: list, first: int, final: bool) -> list:
+        self.flushes += 1
+        window = self._window(local, first)
         calls = self.comm.calls
         try:
             red = rounds.run(window, self.tables, self.comm, self.rank,
@@ -256,6 +310,9 @@ class DistCoordinator(Coordinator):
             self._detach(f"the flush reduction failed ({type(e).__name__}: {e})")
             return self._fallback([lf.frame for lf in local])
         self.collectives += self.comm.calls - calls
+        return self._frames_of(red, window, local)
+
+    def _frames_of(self, red, window: list, local: list) -> list:
         try:
             if self.mode is DistMode.RANK0:
                 if self.rank == 0:
@@ -277,7 +334,7 @@ class DistCoordinator(Coordinator):
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank contributed to the flush collectives so far."""
-        return self.comm.bytes_sent
+        return self.comm.bytes_sent + (self.flights.ops.bytes_sent if self.flights else 0)
 
     # -- after the collective ------------------------------------------------------------------
     def _release(self, local: list) -> None:

@@ -60,9 +60,9 @@ SA_HI, SA_BHI, SA_NBLO, SA_ABSMAX, SA_NONFINITE, SA_NAN, SA_SUMSQ, SA_NUMEL = ra
 WSA = 8
 SB_NONFINITE, SB_NAN, SB_SUMSQ, SB_NUMEL, SB_BAD = range(5)
 WSB = 5
-# header of the first reduction (MAX): key agreement, a rank that closes
-H_NEW, H_DIG, H_NDIG, H_NNEW, H_BLOB, H_FINAL = range(6)
-N_HEAD = 6
+# header of the first reduction (MAX): key agreement, a rank that closes, a rank that goes on
+H_NEW, H_DIG, H_NDIG, H_NNEW, H_BLOB, H_FINAL, H_LIVE = range(7)
+N_HEAD = 7
 
 
 def digest(rows: np.ndarray) -> np.ndarray:

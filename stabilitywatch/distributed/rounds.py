@@ -15,7 +15,7 @@
 
 Every decision to run a round is taken from reduced values, the same on every rank, so the
 ranks stay in lockstep whatever they saw. An unsampled step end with finite gradients costs
-round 1 alone: 8 bytes per table row and step end, plus 48.
+round 1 alone: 8 bytes per table row and step end, plus 56.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class Reduced:
     ssum: Optional[np.ndarray] = None     # [len(trip), n_sent, WSB]
     groups: dict = field(default_factory=dict)   # (slot, row) -> [(rank, fp, n, lo, hi)], n
     others_final: bool = False
+    stopped: bool = False                 # round 1 found closing and live ranks (stop_mixed)
 
 
 def _blob(tables: R.Tables, new: set) -> bytes:
@@ -50,7 +51,7 @@ def _blob(tables: R.Tables, new: set) -> bytes:
     return json.dumps(items, separators=(",", ":")).encode() if items else b""
 
 
-def _agree(tables, new, head, comm) -> None:
+def _agree(tables, new, head):
     if head[R.H_NNEW] == -1 and head[R.H_DIG] == -head[R.H_NDIG]:
         got = new              # every rank has new keys, and the same ones
     else:
@@ -58,7 +59,7 @@ def _agree(tables, new, head, comm) -> None:
         buf = np.zeros(max(int(head[R.H_BLOB]), 1), dtype=np.uint8)
         buf[:len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         got = set()
-        for b in comm.all_gather(buf):
+        for b in (yield ("gather", buf)):
             text = bytes(b).rstrip(b"\0")
             for s, k, m, r in (json.loads(text.decode()) if text else []):
                 got.add((s, int(k)))
@@ -69,38 +70,66 @@ def _agree(tables, new, head, comm) -> None:
 
 def run(window: list, tables: R.Tables, comm, rank: int, full: bool, compare: bool,
         final: bool) -> Reduced:
-    """window: this rank's LocalFrame (or None) per step-end slot of the flush."""
+    """window: this rank's LocalFrame (or None) per step-end slot of the flush; each collective
+    run on `comm` as it comes."""
+    return drive(plan(window, tables, rank, full, compare, final), comm)
+
+
+def drive(gen, comm):
+    """Run a plan's collectives one after another on `comm`; the plan's result."""
+    try:
+        req = next(gen)
+        while True:
+            kind, a = req
+            req = gen.send(comm.all_gather(a) if kind == "gather" else comm.all_reduce(a, kind))
+    except StopIteration as stop:
+        return stop.value
+
+
+def plan(window: list, tables: R.Tables, rank: int, full: bool, compare: bool, final: bool,
+         stop_mixed: bool = False):
+    """The rounds of one flush as a generator: it yields each collective as (op, array), op one
+    of "max", "sum", "gather", and is sent its result; it returns the Reduced. A driver runs the
+    collectives at once (`drive`) or queues each and sends its result later (deferred.py)."""
     kinds_in = (lambda k: True) if full else (lambda k: k & 3 == REPLICATED)
     lfs = [lf for lf in window if lf is not None]
     new = tables.new_keys(lfs, kinds_in) if full else \
         {x for x in tables.new_keys(lfs, kinds_in) if x[0] == "r"}
     trip_local = [float(full and lf is not None and R.tripped(lf)) for lf in window]
     while True:
-        n_rows = len(tables.rows)
+        n_rows, n_sent = len(tables.rows), len(tables.sent)
         has = float(bool(new))
         dig = R.key_digest([k | (1 << 52 if s == "s" else 0) for s, k in new]) if new else 0.0
         head = np.array([has, dig, -dig, -has, len(_blob(tables, new)) if new else 0,
-                         float(final)])
+                         float(final), float(not final)])
         pres = R.presence(window, tables, rank, kinds_in) if not new else \
             np.full((len(window), n_rows), R.NEG)
-        out = comm.all_reduce(np.concatenate([head, pres.ravel(), trip_local]), "max")
+        out = yield ("max", np.concatenate([head, pres.ravel(), trip_local]))
         head = out[:R.N_HEAD]
-        if head[R.H_NEW] <= 0:
+        if head[R.H_NEW] > 0:
+            yield from _agree(tables, new, head)
+            new = set()
+        elif (len(tables.rows), len(tables.sent)) == (n_rows, n_sent):
             break
-        _agree(tables, new, head, comm)
-        new = set()
+        # else a flush still in flight (deferred.py) grew the table while this round ran: the
+        # same on every rank, so every rank runs the round again on the grown table
     codes = out[R.N_HEAD:R.N_HEAD + pres.size].reshape(pres.shape)
     sel = codes > R.NEG
     trip = [s for s, v in enumerate(out[R.N_HEAD + pres.size:]) if v > 0]
     red = Reduced(slots=len(window), sel=sel, trip=trip,
                   others_final=head[R.H_FINAL] > 0 and not final)
+    if stop_mixed and head[R.H_FINAL] > 0 and head[R.H_LIVE] > 0:
+        # some ranks close, others go on: the flushes still in flight cannot all be finished
+        # in step (deferred.py), so every rank stops here and reads its own frames
+        red.stopped = True
+        return red
     if not sel.any() and not trip:
         return red
     a_loc = R.pack_max(window, tables, rank, kinds_in, R.lowest_with_shift(codes))
     t_win = [window[s] for s in trip]
     s_loc = R.pack_sentinel_max(t_win, tables, rank)
     n_sel = int(sel.sum())
-    got = comm.all_reduce(np.concatenate([a_loc[sel].ravel(), s_loc.ravel()]), "max")
+    got = yield ("max", np.concatenate([a_loc[sel].ravel(), s_loc.ravel()]))
     red.amax = got[:n_sel * R.WA].reshape(n_sel, R.WA)
     red.smax = got[n_sel * R.WA:].reshape(s_loc.shape)
     if full:
@@ -108,15 +137,15 @@ def run(window: list, tables: R.Tables, comm, rank: int, full: bool, compare: bo
         amax_dense[sel] = red.amax
         b_loc = R.pack_sum(window, tables, rank, kinds_in, amax_dense)
         s_sum = R.pack_sentinel_sum(t_win, tables)
-        got = comm.all_reduce(np.concatenate([b_loc[sel].ravel(), s_sum.ravel()]), "sum")
+        got = yield ("sum", np.concatenate([b_loc[sel].ravel(), s_sum.ravel()]))
         red.bsum = got[:n_sel * R.WB].reshape(n_sel, R.WB)
         red.ssum = got[n_sel * R.WB:].reshape(s_sum.shape)
     if compare:
-        _divergence(red, window, tables, comm, rank, a_loc[sel])
+        yield from _divergence(red, window, tables, rank, a_loc[sel])
     return red
 
 
-def _divergence(red: Reduced, window, tables, comm, rank, a_own: np.ndarray) -> None:
+def _divergence(red: Reduced, window, tables, rank, a_own: np.ndarray):
     a = red.amax
     div = np.flatnonzero((a[:, R.A_KIND] == REPLICATED) & np.isfinite(a[:, R.A_DIG])
                          & (a[:, R.A_DIG] != -a[:, R.A_NDIG]))
@@ -130,7 +159,7 @@ def _divergence(red: Reduced, window, tables, comm, rank, a_own: np.ndarray) -> 
     ids = np.full((len(div), 4), R.NEG)
     ids[at_lo, 0], ids[at_lo, 1] = rank, -rank
     ids[at_hi, 2], ids[at_hi, 3] = rank, -rank
-    ids = comm.all_reduce(ids.ravel(), "max").reshape(len(div), 4)
+    ids = (yield ("max", ids.ravel())).reshape(len(div), 4)
     nf = len(FP_INDEX)
     part = np.zeros((len(div), 3 + 2 * nf))
     part[:, 0], part[:, 1], part[:, 2] = at_lo, at_hi, here
@@ -144,7 +173,7 @@ def _divergence(red: Reduced, window, tables, comm, rank, a_own: np.ndarray) -> 
             part[d, 3:3 + nf] = fp
         if at_hi[d] and rank == int(-ids[d, 3]):
             part[d, 3 + nf:] = fp
-    part = comm.all_reduce(part.ravel(), "sum").reshape(len(div), 3 + 2 * nf)
+    part = (yield ("sum", part.ravel())).reshape(len(div), 3 + 2 * nf)
     for d, (s, j) in enumerate(pos[div]):
         n_lo, n_hi, n = part[d, :3]
         grp = [(int(-ids[d, 1]), part[d, 3:3 + nf], int(n_lo), int(-ids[d, 1]), int(ids[d, 0])),

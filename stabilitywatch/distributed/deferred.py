@@ -1,0 +1,159 @@
+"""The flush's reductions on the job's own process group, queued on the device and read a step
+end later: the host never waits for a collective (`dist.backend="default"`, and "auto" on NCCL).
+
+Each collective of a flush's plan (rounds.plan) is started where the plan asks for it: the
+packed numpy buffer goes to pinned host memory, then to the device with a non-blocking copy;
+the all-reduce is issued asynchronously on the job's group, so NCCL queues it on its stream in
+issue order with the job's own collectives (every rank issues them at the same step end), and
+`work.wait()` makes the current stream, not the host, wait for it; the result goes back to
+pinned memory with a non-blocking copy and a CUDA event, as the frames do. At the next step end
+the event has almost always fired (the frames of that step were read the same way), the result
+is handed to the plan, and its next collective is started. A flush of R rounds delivers its
+frames R step ends after it started; flushes overlap, one round each per step end, in the same
+order on every rank.
+
+On CPU tensors (a gloo job group) the same path runs with the collective's work object in
+place of the event: started at one step end, waited for at the next.
+
+A collective of the job's group that fails fails the job, as the job's own would: no timeout
+here (a timeout would make NCCL's wait a host wait) and no detaching on a slow rank.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+class _Op:
+    """One collective in flight: its result lands in host memory."""
+
+    def __init__(self, dist, group, device: torch.device, kind: str, a: np.ndarray):
+        self.kind = kind
+        dtype = np.uint8 if kind == "gather" else np.float64
+        src = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+        self.nbytes = src.numel() * src.element_size()
+        cuda = device.type == "cuda"
+        if cuda:
+            self._staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._staged.copy_(src)
+            t = self._staged.to(device, non_blocking=True)
+        else:
+            t = src.clone()
+        if kind == "gather":
+            self.world = dist.get_world_size(group)
+            out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=device)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            self._work = gather(out, t, group=group, async_op=True)
+            self.width = t.numel()
+        else:
+            red = dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.SUM
+            self._work = dist.all_reduce(t, op=red, group=group, async_op=True)
+            out = t
+        self._event = None
+        if cuda:
+            self._work.wait()        # a stream wait on NCCL (no timeout given: not a host wait)
+            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+        else:
+            self._host = out
+
+    def ready(self) -> bool:
+        if self._event is not None:
+            return self._event.query()
+        return self._work.is_completed()
+
+    def result(self):
+        """The reduced array (or the gathered buffers, in rank order); waits if it has not
+        landed yet (off the step's path: a step end after it started)."""
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            self._work.wait()
+        got = self._host.numpy()   # sync-ok: landed (event or work done)
+        if self.kind == "gather":
+            rows = got.reshape(self.world, self.width)
+            return [rows[r] for r in range(self.world)]
+        return got
+
+
+class Ops:
+    """Starts the plans' collectives on one process group and device; counts them."""
+
+    def __init__(self, dist, group, device: torch.device):
+        self.dist, self.group, self.device = dist, group, device
+        self.calls = 0
+        self.bytes_sent = 0
+
+    def start(self, kind: str, a: np.ndarray) -> _Op:
+        op = _Op(self.dist, self.group, self.device, kind, a)
+        self.calls += 1
+        self.bytes_sent += op.nbytes
+        return op
+
+
+@dataclass
+class Flight:
+    gen: Any                       # rounds.plan(...)
+    ctx: Any                       # what the caller needs to turn the result into frames
+    op: Optional[Any] = None       # the collective in flight
+    result: Any = None             # the plan's Reduced, once done
+    rounds: int = field(default=0)
+
+
+class Flights:
+    """Flushes in flight, advanced one collective each per step end, oldest first."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.queue: collections.deque = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def start(self, gen, ctx) -> None:
+        """A new flush: its first collective starts now."""
+        f = Flight(gen=gen, ctx=ctx)
+        self.queue.append(f)
+        self._send(f, None, first=True)
+
+    def advance(self) -> list:
+        """Every flight's collective started at the previous step end is read and its next one
+        started; the flights that finished: [(ctx, Reduced)], oldest first."""
+        done = []
+        for f in list(self.queue):
+            self._send(f, f.op.result())
+            if f.op is None:
+                self.queue.remove(f)
+                done.append((f.ctx, f.result))
+                if getattr(f.result, "stopped", False):
+                    break      # every rank stops here; the caller abandons the rest
+        return done
+
+    def drain(self) -> list:
+        """Every flight run to its end, reading each result as it comes (at close); stops at
+        a plan that stopped."""
+        done = []
+        while self.queue and not any(getattr(r, "stopped", False) for _, r in done):
+            done += self.advance()
+        return done
+
+    def abandon(self) -> list:
+        """The contexts of the flights still in flight (a failed path: their frames go local)."""
+        out = [f.ctx for f in self.queue]
+        self.queue.clear()
+        return out
+
+    def _send(self, f: Flight, value, first: bool = False) -> None:
+        try:
+            kind, a = next(f.gen) if first else f.gen.send(value)
+        except StopIteration as stop:
+            f.op, f.result = None, stop.value
+            return
+        f.op = self.ops.start(kind, a)
+        f.rounds += 1
