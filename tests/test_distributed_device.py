@@ -76,6 +76,10 @@ def test_device_path_names_the_rank_of_a_nan_and_keys_of_one_rank(spawned):
     assert [tuple(a[k] for k in key) for a in d0["alerts"]] == \
         [tuple(a[k] for k in key) for a in s0["alerts"]]
     assert d0["alerts"] and d0["alerts"][0]["rank"] == 1
+    # the named rank's own counts, sent by it alone (distributed/details.py)
+    (det,) = d0["alerts"][0]["extra"]["rank_details"]
+    assert det["rank"] == 1 and det["nan"] == 1 and det["numel"] == 8 * 16
+    assert d0["alerts"][0]["extra"] == s0["alerts"][0]["extra"]
     dev = {(r["step"], r["module"], r["tensor"]): r["stats"]
            for r in read_jsonl(out / "nan_dev" / "stats.jsonl")}
     side = {(r["step"], r["module"], r["tensor"]): r["stats"]

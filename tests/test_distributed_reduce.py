@@ -115,8 +115,9 @@ def _frames_of_world(world: int, seed: int = 0, nan_rank=None, odd_rank=None):
         win = []
         for end in (1, 2):
             act = torch.randn(7 + r, generator=g) * (r + 1)
-            if nan_rank == r and end == 2:
-                act[3] = float("nan")
+            if r in np.atleast_1d(nan_rank if nan_rank is not None else []) and end == 2:
+                act[3 + r % 2] = float("nan")
+                act[5] = float("inf") if r % 2 else act[5]
             b = bias.clone()
             if odd_rank == r and end == 2:
                 b.view(torch.int32)[2] ^= 1
@@ -175,6 +176,48 @@ def test_reduced_rows_equal_the_gathered_merge(world):
     f = got[1]
     i = f.index("m", "output")
     assert f.bad_range[i] == (world - 1, world - 1, 1) and f.bad_ranks[i] == [world - 1]
+
+
+@pytest.mark.parametrize("world,bad", [(8, (2, 5, 6)), (3, (0,))], ids=["w8", "w3-r0"])
+def test_details_of_a_bad_row_come_from_the_named_ranks_alone(world, bad):
+    """The lowest and highest rank holding NaN/Inf send their own counts in one more SUM, only
+    for the bad rows; a healthy flush runs no such round."""
+    healthy = run_world(_frames_of_world(world, seed=1))
+    frames = _frames_of_world(world, seed=1, nan_rank=bad)
+    res = run_world(frames)
+    assert {c.calls for _, _, c in res} == {c.calls + 1 for _, _, c in healthy}
+    grown = {a.bytes_sent - b.bytes_sent for (_, _, a), (_, _, b) in zip(res, healthy)}
+    # one bad row (the output, at end 2; the loss row reads act[:1], finite): 2 ranks x 5 fields
+    assert grown == {2 * 5 * 8}, grown
+    red, tables, _ = res[0]
+    got = rounds.merged(red, frames[0], tables, 0, world, lambda k: False)
+    f = got[1]
+    i = f.index("m", "output")
+    ends = sorted({bad[0], bad[-1]})
+    assert [d["rank"] for d in f.bad_detail[i]] == ends
+    for d in f.bad_detail[i]:
+        own = frames[d["rank"]][1].frame
+        row = own.rows[own.keys.index(("m", "output"))]
+        assert (d["numel"], d["nan"], d["posinf"]) == \
+            (row[Stat.NUMEL], row[Stat.NAN], row[Stat.POSINF])
+    assert f.bad_range[i] == (bad[0], bad[-1], len(bad))
+    assert not got[0].bad_detail
+
+
+def test_sentinel_details_name_the_gradient_on_the_bad_ranks():
+    keys = [("blk.0", "grad"), ("blk.1", "grad"), ("head", "grad")]
+    windows = []
+    for r in range(5):
+        bad = [0, (r + 1) if r in (1, 3) else 0, 0]
+        lf = _lf(1, 7, {("", "loss"): _row([1.0 + r])}, {("", "loss"): LOC},
+                 {("", "loss"): Phase.LOSS}, sentinel=_sentinel(7, keys, bad))
+        windows.append([lf])
+    red, tables, _ = run_world(windows)[0]
+    (f,) = rounds.merged(red, windows[0], tables, 0, 5, lambda k: True)
+    assert f.sentinel_bad == {("blk.1", "grad"): (1, 3, 2)}
+    assert f.sentinel_detail[("blk.1", "grad")] == [
+        {"rank": 1, "numel": 10, "nonfinite": 2, "nan": 2, "absmax": 1.0},
+        {"rank": 3, "numel": 10, "nonfinite": 4, "nan": 4, "absmax": 1.0}]
 
 
 def test_payload_per_rank_does_not_grow_with_the_world():

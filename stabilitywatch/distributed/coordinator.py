@@ -379,9 +379,12 @@ class DistCoordinator(Coordinator):
         key = (a.module, a.tensor)
         i = frame.index(*key)
         if a.detector == "nonfinite":
-            r = frame.sentinel_bad.get(key) if a.extra.get("source") == "sentinel" else None
+            sentinel = a.extra.get("source") == "sentinel"
+            r = frame.sentinel_bad.get(key) if sentinel else None
+            detail = frame.sentinel_detail.get(key) if r is not None else None
             if r is None and i is not None:
                 r = frame.bad_range.get(i)
+                detail = frame.bad_detail.get(i)
                 if r is None and frame.bad_ranks.get(i):
                     ranks = frame.bad_ranks[i]
                     r = (min(ranks), max(ranks), len(ranks))
@@ -391,6 +394,8 @@ class DistCoordinator(Coordinator):
             where = (f"rank {lo}" if lo == hi else f"ranks {lo}..{hi} ({n} ranks)")
             extra = {**a.extra, "ranks": reduce.listed(r), "rank_range": [lo, hi],
                      "rank_count": n}
+            if detail:
+                extra["rank_details"] = detail
         elif a.detector in ("physics", "overflow") and i is not None \
                 and i in frame.absmax_rank:
             lo = frame.absmax_rank[i]

@@ -46,6 +46,9 @@ class DistFrame(StatsFrame):
     absmax_rank: dict = field(default_factory=dict)    # i -> the one rank holding the max |x|
     replica_info: dict = field(default_factory=dict)   # i -> {"present": n, rank: (n, lo, hi)}
     sentinel_bad: dict = field(default_factory=dict)   # (module, role) -> (lo, hi, count)
+    # the named bad ranks' own counts (distributed/details.py): [{"rank": r, "nan": ...}]
+    bad_detail: dict = field(default_factory=dict)      # i -> of row i
+    sentinel_detail: dict = field(default_factory=dict)  # (module, role) -> of its gradient
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..stats.layout import N_STATS, Stat, init_row
+from . import details
 from . import reduce as R
 from .merge import DistFrame
 from .wire import FP_INDEX, REPLICATED
@@ -44,6 +45,8 @@ class Reduced:
     groups: dict = field(default_factory=dict)   # (slot, row) -> [(rank, fp, n, lo, hi)], n
     others_final: bool = False
     stopped: bool = False                 # round 1 found closing and live ranks (stop_mixed)
+    details: dict = field(default_factory=dict)        # n -> the named bad ranks' counts
+    sent_details: dict = field(default_factory=dict)   # (trip index, sent row) -> the same
 
 
 def _blob(tables: R.Tables, new: set) -> bytes:
@@ -140,6 +143,8 @@ def plan(window: list, tables: R.Tables, rank: int, full: bool, compare: bool, f
         got = yield ("sum", np.concatenate([b_loc[sel].ravel(), s_sum.ravel()]))
         red.bsum = got[:n_sel * R.WB].reshape(n_sel, R.WB)
         red.ssum = got[n_sel * R.WB:].reshape(s_sum.shape)
+        if details.needed(red):   # a bad row: its named ranks' own counts, from them alone
+            details.unpack(red, (yield ("sum", details.pack(red, window, tables, rank))))
     if compare:
         yield from _divergence(red, window, tables, rank, a_loc[sel])
     return red
@@ -213,7 +218,7 @@ def merged(red: Reduced, window: list, tables: R.Tables, rank: int, world: int,
             key = tables.rows[j]
             bad = R.rank_range(a[R.A_BHI], a[R.A_NBLO], b[R.B_BAD])
             if a[R.A_KIND] == REPLICATED:
-                info[key] = (bad, red.groups.get((s, j)))
+                info[key] = (bad, red.groups.get((s, j)), red.details.get(n))
                 continue
             name = tables.names.get(("r", key))
             if name is None:
@@ -221,14 +226,14 @@ def merged(red: Reduced, window: list, tables: R.Tables, rank: int, world: int,
             at = int(b[R.B_RAT]) if b[R.B_NAT] == 1 else None
             entries.append((-a[R.A_NPHASE], -a[R.A_NSEQ], key, name, _merged_row(a, b),
                             float(a[R.A_SCALE]), int(a[R.A_KIND]), None, bad, int(a[R.A_STEP]),
-                            at))
+                            at, red.details.get(n)))
         if lf is not None:
             for i, (k, kind) in enumerate(zip(lf.key_ids, lf.kinds)):
                 if kind & 3 == REPLICATED:
-                    bad, got = info.get(k, (None, None))
+                    bad, got, det = info.get(k, (None, None, None))
                     entries.append((lf.frame.phases[i], lf.seqs[i], k, lf.frame.keys[i],
                                     lf.frame.rows[i], lf.frame.scales[i], REPLICATED, got, bad,
-                                    lf.frame.step, None))
+                                    lf.frame.step, None, det))
         tripped = s in red.trip
         if not entries and not tripped:
             continue
@@ -246,6 +251,8 @@ def merged(red: Reduced, window: list, tables: R.Tables, rank: int, world: int,
             if x[8] is not None:
                 f.bad_ranks[i] = R.listed(x[8])
                 f.bad_range[i] = x[8]
+            if x[11] is not None:
+                f.bad_detail[i] = x[11]
             if x[10] is not None:
                 f.absmax_rank[i] = x[10]
         if lf is not None and lf.frame.sentinel is not None:
@@ -275,6 +282,9 @@ def _merge_sentinel(f, red, t, lf, tables, sharded_grad) -> None:
         r = R.rank_range(a[i, R.SA_BHI], a[i, R.SA_NBLO], b[i, R.SB_BAD])
         if r is not None:
             f.sentinel_bad[tuple(key)] = r
+            det = red.sent_details.get((t, j[i]))
+            if det is not None:
+                f.sentinel_detail[tuple(key)] = det
 
 
 def local(red: Reduced, window: list, tables: R.Tables, rank: int, world: int) -> list:
