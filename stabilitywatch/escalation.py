@@ -47,7 +47,7 @@ class SentinelControl:
         # flush; that flag is reduced every step, which the guard needs anyway
         self.xrank: Optional[CrossRankFlag] = None
         if self.multi and cfg.sentinel and self.guard is not None:
-            self.xrank = CrossRankFlag()
+            self.xrank = CrossRankFlag(self.store.keys)
         if self.multi and self.escalate and (self.xrank is None or not self.lockstep):
             self.escalate = False
             log.info("stabilitywatch: escalation is off in this multi-rank run: ranks switch "
@@ -75,9 +75,10 @@ class SentinelControl:
             flag = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.xrank is not None:
             try:
-                code = self.xrank.reduce(flag)
+                code = self.xrank.reduce(flag, self.store.bad_counts(flag.device)
+                                         if written else None)
                 self.store.set_reduced_flag(code)
-                flag = (code > 0).to(torch.float32)
+                flag = (code[0] > 0).to(torch.float32)
             except Exception as e:   # a rank gone: decide locally from now on
                 self.xrank, self.escalate = None, False
                 log.warning("stabilitywatch: the cross-rank gradient flag failed (%s: %s); the "

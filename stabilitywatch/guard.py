@@ -24,10 +24,13 @@ read cannot stop training.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Optional
 
 import torch
+
+from .stats.sentinel import RANK_BIG
 
 log = logging.getLogger("stabilitywatch")
 
@@ -53,28 +56,52 @@ def is_fused(opt) -> bool:
 
 
 class CrossRankFlag:
-    """all_reduce(MAX) of the step's flag over the default process group (the job's own: the
-    flag lives on the gradients' device), started async; its wait orders the consumers after
-    it on the device."""
+    """One all_reduce(MAX) per step over the default process group (the job's own: the flags
+    live on the gradients' device), started async; its wait orders the consumers after it on
+    the device (NCCL: a stream wait). It carries the step's flag and the sentinel's per-rank
+    badness: per watched gradient, the lowest and highest rank whose gradient held NaN/Inf
+    (2 + 2 x gradients float32 values, whatever the world size)."""
 
-    def __init__(self):
+    def __init__(self, keys=()):
         import torch.distributed as dist
         self.dist = dist
         self.backend = dist.get_backend()
         self.rank = dist.get_rank()
+        self.rows = len(keys) if keys and self._same_everywhere(list(keys)) else 0
 
-    def reduce(self, flag: torch.Tensor) -> torch.Tensor:
-        """MAX over ranks of flag x (rank + 1): 0 when every rank's gradients were finite, else
-        1 + the highest rank whose were not."""
-        flag = flag * (self.rank + 1)
-        if self.backend == "nccl" and not flag.is_cuda:
-            flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
-        elif self.backend == "gloo" and flag.is_cuda:
-            flag = flag.cpu()   # sync-ok: gloo runs on the host; CUDA jobs use NCCL
-        out = flag.detach().reshape(1).clone()
+    def _device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl" and not t.is_cuda:
+            return t.to(torch.device("cuda", torch.cuda.current_device()))
+        if self.backend == "gloo" and t.is_cuda:
+            return t.cpu()   # sync-ok: gloo runs on the host; CUDA jobs use NCCL
+        return t
+
+    def _same_everywhere(self, keys: list) -> bool:
+        """At watch(), once (a host wait, off the steps): do all ranks watch the same gradients
+        in the same order? Per-gradient flags need it; without it the flag goes alone."""
+        d = float(int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:6], "big"))
+        t = self._device(torch.tensor([len(keys), -len(keys), d, -d], dtype=torch.float64))
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        v = t.cpu().tolist()   # sync-ok: once, at watch()
+        return v[0] == -v[1] and v[2] == -v[3]
+
+    def reduce(self, flag: torch.Tensor, bad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 [2 + 2 x rows], the MAX over ranks of: flag x (rank + 1) (0 when every
+        rank's gradients were finite, else 1 + the highest rank whose were not); flag x
+        (RANK_BIG - rank) (RANK_BIG - the lowest); then per gradient (`bad`: this rank's
+        non-finite counts, in the sentinel's row order) the same two for its gradient."""
+        r = self.rank
+        f = flag.detach().reshape(1).to(torch.float32)
+        parts = [f * (r + 1), f * (RANK_BIG - r)]
+        if self.rows:
+            b = torch.zeros(self.rows, dtype=torch.float32, device=f.device) if bad is None \
+                else (bad.detach().reshape(-1)[:self.rows] > 0).to(device=f.device,
+                                                                  dtype=torch.float32)
+            parts += [b * (r + 1), b * (RANK_BIG - r)]
+        out = self._device(torch.cat(parts))
         work = self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, async_op=True)
         work.wait()
-        return out.reshape(())
+        return out
 
 
 class Guard:

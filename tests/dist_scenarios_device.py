@@ -102,3 +102,40 @@ def side_group_twin(rank, world, run_dir, steps=7, flip_step=4):
         if rank == 0 else []
     return {**_common(mon),
             "records": {f"{r['step']}:{r['module']}:{r['tensor']}": r["stats"] for r in recs}}
+
+
+def guard_flags(rank, world, run_dir, dist_mode="per_rank", dist_backend="auto"):
+    """The guard on, a NaN in rank 1's gradient of one bias at step 3 (unsampled; replicas
+    without DDP, so each rank's gradients are its own): the step's one cross-rank reduction
+    carries the flag and, per gradient, the ranks whose gradient was bad. In per_rank mode rank
+    0 writes its own frames: its alert names the gradient and the rank from that reduction."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(1)
+    cfg = sw.Config(every=10, warmup=0, guard={"on_nonfinite": "skip"}, sinks=("jsonl",),
+                    capture=(), dist={"mode": dist_mode, "backend": dist_backend})
+    mon = sw.watch(model, opt, config=cfg, run_dir=run_dir)
+    sizes = []
+    for step in range(6):
+        x = torch.randn(16, 8, generator=g)
+        if step == 3:
+            before = [p.detach().clone() for p in model.parameters()]
+        with mon.step(step, batch=x):
+            loss = model(x).square().mean()
+            loss.backward()
+            mon.observe_loss(loss)
+            if step == 3 and rank == 1:
+                model[2].bias.grad[0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            sizes.append(int(mon.buffer.sentinel._flag.numel()))
+        if step == 3:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    sent = {s: mon.buffer.sentinel_of(s) for s in range(6)}
+    mon.close()
+    rows = {s: {f"{m}:{r}": [int(v) for v in sf.row_ranks[i]] for i, (m, r) in enumerate(sf.keys)}
+            for s, sf in sent.items() if sf is not None and sf.row_ranks is not None}
+    return {**_common(mon), "unchanged_at_3": unchanged, "flag_sizes": sizes,
+            "grads": len(mon.buffer.sentinel.keys), "row_ranks": rows,
+            "bad_rank_lo": sent[3].bad_rank_lo if sent.get(3) else None}

@@ -24,6 +24,7 @@ SCENARIOS = [
     ("payload_side", "payload", {"dist_backend": "gloo", "steps": 8}),
     ("gpt2_nan_dev", "gpt2_nan", {"wrap": "fsdp2", "dist_backend": "default"}),
     ("leaves_dev", "rank_leaves", {"dist_backend": "default"}),
+    ("guard", "guard_flags", {}),
 ]
 
 
@@ -119,3 +120,22 @@ def test_device_path_a_rank_that_closes_early_stops_nobody(spawned):
     assert r0["detached"] and r1["detached"]
     assert r0["seconds_in_loop"] < 15     # not the 20 s timeout
     assert r0["frames_seen"] == 6         # every step's frame, merged or its own
+
+
+def test_the_guards_flag_and_the_sentinels_ranks_ride_one_reduction(spawned):
+    out, run = spawned
+    r0, r1 = _ok(out, run, "guard")
+    assert r0["unchanged_at_3"] and r1["unchanged_at_3"]       # both ranks skipped step 3
+    n = r0["grads"]
+    assert n == 4 and set(r0["flag_sizes"]) == set(r1["flag_sizes"]) == {2 + 2 * n}
+    for rr in (r0["row_ranks"], r1["row_ranks"]):
+        assert rr["3"]["2:grad.bias"] == [1, 1]
+        assert all(v == [-1, -1] for s, row in rr.items() for k, v in row.items()
+                   if (s, k) != ("3", "2:grad.bias"))
+    assert r0["bad_rank_lo"] == 1
+    # per_rank mode: rank 0's own frame is finite; its alert names rank 1's gradient
+    crit = [a for a in read_jsonl(out / "guard" / "alerts.jsonl") if a["severity"] == "critical"]
+    assert crit and crit[0]["step"] == 3, crit
+    a = crit[0]
+    assert (a["module"], a["tensor"], a["rank"]) == ("2", "grad.bias", 1)
+    assert a["extra"]["source"] == "cross_rank_flags" and a["extra"]["rank_range"] == [1, 1]

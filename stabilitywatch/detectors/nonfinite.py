@@ -9,6 +9,8 @@ the alert says "forward": the escalated steps (schedule.py) or the guard's re-ru
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..alert import Alert, Severity
 from ..stats.buffer import Phase, StatsFrame
 from ..stats.layout import Stat
@@ -107,6 +109,9 @@ class NonFiniteDetector(Detector):
         if s_bad is not None:
             return self._from_sentinel(frame, s_bad)
         # the sentinel is finite here but the cross-rank flag says another rank's is not
+        named = _other_rank_gradient(sent)
+        if named is not None:
+            return named
         r = sent.bad_rank
         who = f"rank {r}" if r is not None else "another rank"
         extra = {"phase": "backward", "other_rank": True}
@@ -175,3 +180,24 @@ class NonFiniteDetector(Detector):
 _PHASE_NAMES = {Phase.BATCH: "batch", Phase.WEIGHT: "weight", Phase.FORWARD: "forward",
                 Phase.LOSS: "forward", Phase.BACKWARD: "backward", Phase.GRAD: "backward",
                 Phase.OPTIM: "optimizer"}
+
+
+def _other_rank_gradient(sent):
+    """The first gradient (backward order) that another rank's sentinel found bad, from the
+    every-step cross-rank reduction (SentinelFrame.row_ranks), as an _origin tuple; or None."""
+    rr = sent.row_ranks
+    if rr is None:
+        return None
+    hit = np.flatnonzero(rr[:, 1] >= 0)
+    if not len(hit):
+        return None
+    k = int(hit[0])
+    module, role = sent.keys[k]
+    lo, hi = int(rr[k, 0]), int(rr[k, 1])
+    who = f"rank {lo}" if lo == hi else f"ranks {lo}..{hi}"
+    extra = {"phase": "backward", "other_rank": True, "source": "cross_rank_flags",
+             "ranks": [lo] if lo == hi else [lo, hi], "rank_range": [lo, hi]}
+    return (module, role, 0.0, 0.0, 0.0,
+            f"{module or '<model>'} {role} on {who} (this rank's gradients were finite; the "
+            f"sentinel's cross-rank reduction names the gradient; its counts are on that rank)",
+            extra)

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 
 COLS = 4                      # nonfinite, absmax, sumsq, nan
+# the step's cross-rank flags (guard.CrossRankFlag) hold ranks as RANK_BIG - rank (the MAX of
+# which is the lowest): exact in float32 up to this many ranks
+RANK_BIG = float(1 << 24)
 C_NONFINITE, C_ABSMAX, C_SUMSQ, C_NAN = 0, 1, 2, 3
 DTYPE = torch.float64
 
@@ -81,6 +84,10 @@ class SentinelFrame:
     # ranks > 1: some rank's gradients were not finite (the flag reduced on the device)
     any_rank_bad: Optional[bool] = None
     bad_rank: Optional[int] = None     # then: the highest rank whose gradients were not finite
+    bad_rank_lo: Optional[int] = None  # and the lowest
+    # [len(keys), 2]: per gradient the lowest and highest rank whose gradient held NaN/Inf (-1:
+    # none), from the same every-step reduction, when the ranks watch the same gradients
+    row_ranks: Optional[np.ndarray] = None
     # the guard skipped the step's optimizer update (guard.on_nonfinite="skip")
     skipped: bool = False
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .backend import TORCH, RowBackend
-from .sentinel import COLS, DTYPE, SentinelFrame, sentinel_reference
+from .sentinel import COLS, DTYPE, RANK_BIG, SentinelFrame, sentinel_reference
 
 
 class _DevSentinel:
@@ -144,8 +144,17 @@ class SentinelStore:
         total = bad[0] if len(bad) == 1 else torch.stack(bad).sum()
         return (total > 0).to(torch.float32)
 
+    def bad_counts(self, device: torch.device) -> torch.Tensor:
+        """float64 [len(keys)] on `device`: this step's non-finite count per gradient (no sync)."""
+        n = len(self.keys)
+        parts = [d.out[:n, 0].to(device, non_blocking=True) for d in self._dev.values()]
+        if not parts:
+            return torch.zeros(n, dtype=DTYPE, device=device)
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
     def set_reduced_flag(self, flag: Optional[torch.Tensor]) -> None:
-        """The cross-rank flag of this step (all ranks' gradients), copied with the step."""
+        """The cross-rank flags of this step (guard.CrossRankFlag.reduce: all ranks'
+        gradients), copied with the step."""
         self._flag = flag
 
     def end_step(self, step: int) -> Optional[SentinelPending]:
@@ -165,9 +174,9 @@ class SentinelStore:
             copies.append((d, host, ev))
         flag = None
         if self._flag is not None:
-            f = self._flag.detach().reshape(1).to(torch.float32)
+            f = self._flag.detach().reshape(-1).to(torch.float32)
             if f.is_cuda:
-                h = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                h = torch.empty(f.shape, dtype=torch.float32, pin_memory=True)
                 h.copy_(f, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(f.device))
@@ -191,14 +200,17 @@ class SentinelStore:
             if host.shape == d.out.shape:
                 d.pool.append(host)
         order = self.order if self.order is not None else list(range(len(self.keys)))
-        code = None if p.flag is None else float(p.flag[0].numpy()[0])   # sync-ok: landed
+        flags = None if p.flag is None else p.flag[0].numpy()   # sync-ok: landed
+        code = None if flags is None else float(flags[0])
         f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
                           nan=total[order, 3], numel=p.numel[order],
                           ordered=self.order is not None,
                           any_rank_bad=None if code is None else code > 0,
-                          bad_rank=int(code) - 1 if code else None)
+                          bad_rank=int(code) - 1 if code else None,
+                          bad_rank_lo=int(RANK_BIG - flags[1]) if code else None,
+                          row_ranks=_row_ranks(flags, len(self.keys), order))
         f.skipped = p.guarded and f.tripped
         self._read = self._read[-255:] + [f]
         return f
@@ -246,6 +258,14 @@ class SentinelStore:
                 return False
         plan.addrs = addrs
         return True
+
+
+def _row_ranks(flags, n: int, order: list) -> Optional[np.ndarray]:
+    if flags is None or len(flags) != 2 + 2 * n:
+        return None
+    hi, lo = flags[2:2 + n], flags[2 + n:]
+    out = np.stack([np.where(lo > 0, RANK_BIG - lo, -1), hi - 1], 1).astype(np.int64)
+    return out[order]
 
 
 def _signature(items: list):
