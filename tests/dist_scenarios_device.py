@@ -32,16 +32,16 @@ def _spy_reads(mon, state: dict) -> list:
 
 
 def device_reads_later(rank, world, run_dir, device="cpu", steps=7, flip_step=4,
-                       sync_debug=False):
-    """DDP with the flush on the job's group (dist.backend="default"), a flipped bit on the
-    last rank at `flip_step`: which step end reads each collective, the alerts, the records.
-    With sync_debug (CUDA) the steps after the first two run under set_sync_debug_mode
-    ("error"): a host sync anywhere in them raises."""
+                       sync_debug=False, ddp=True):
+    """DDP (or, ddp=False, the bare model) with the flush on the job's group
+    (dist.backend="default"), a flipped bit on the last rank at `flip_step`: which step end
+    reads each collective, the alerts, the records. With sync_debug (CUDA) the steps after the
+    first two run under set_sync_debug_mode("error"): a host sync anywhere in them raises."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
         else torch.device("cpu")
     model = _mlp().to(dev)
-    ddp = DDP(model, device_ids=[dev.index] if device == "cuda" else None)
+    ddp = DDP(model, device_ids=[dev.index] if device == "cuda" else None) if ddp else model
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     cfg = sw.Config(**QUIET, capture=(), dist={"backend": "default"})
     mon = sw.watch(ddp, opt, config=cfg, run_dir=run_dir)
@@ -53,14 +53,14 @@ def device_reads_later(rank, world, run_dir, device="cpu", steps=7, flip_step=4,
     state = {"closing": False}
     log = _spy_reads(mon, state)
     in_flight = []
+    xs = [x.to(dev) for x in _batches(rank, steps)]   # a copy from pageable memory syncs
     try:
-        for step, x in enumerate(_batches(rank, steps)):
-            x = x.to(dev)
+        for step, x in enumerate(xs):
             if sync_debug and step == 2:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
             if step == flip_step and rank == world - 1 and world > 1:
-                _flip_lowest_bit(model[0].weight)
+                _flip_lowest_bit(model[0].weight)   # on the device, no sync
             with mon.step(step, batch=x):
                 loss = ddp(x).square().mean()
                 loss.backward()

@@ -12,15 +12,18 @@ order, whatever each rank saw. So nothing here depends on timing, data or alerts
   and may differ between ranks); a row missing on a rank is simply absent from its payload,
   which is the identity of the merge;
 - each flush (dist.merge="reduce", the default) is a few all-reduces of tensors whose shapes
-  every rank knows (rounds.py): the payload per rank does not grow with the world size; with
+  every rank knows (rounds.py): the payload per rank does not grow with the world size; on
+  the job's group (dist.backend "default", "auto" on NCCL) each is queued on the device and
+  read at the next step end (deferred.py), so flushes overlap and the host never waits; with
   dist.merge="gather" it is one fixed-size all-gather (`wire.py`), repeated once with a larger
   size only when some rank's rows outgrow the agreed one;
 - detectors, alerts, captures and sinks run after the collective and never add or skip one.
 
-Failure. A collective that fails or takes longer than `dist.timeout` (a rank died, or left)
-detaches the monitor from the others: from then on each rank reads its own frames and writes
-them to its own files (`alerts.rank{r}.jsonl`...), with a warning. A rank that closes tells
-the others in its last payload, and they detach at once instead of waiting for a timeout.
+Failure. On the gloo side group, a collective that fails or takes longer than `dist.timeout`
+(a rank died, or left) detaches the monitor from the others: from then on each rank reads its own frames and writes
+them to its own files (`alerts.rank{r}.jsonl`...), with a warning. On the job's group a
+failing collective fails the job, as its own collectives would. A rank that closes tells the
+others in its last payload, and they detach at once instead of waiting for a timeout.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch
 from ..config_distributed import DistBackend, DistMerge, DistMode
 from ..stats.buffer import Phase
 from ..stats.layout import N_STATS
-from . import deferred, reduce, rounds, wire
+from . import deferred, naming, reduce, rounds, wire
 from .comm import Comm
 from .dtensor import placement, shard_rows, to_local
 from .merge import LocalFrame, _stack, local_frames, merged_frames, payload_rows
@@ -368,47 +371,10 @@ class DistCoordinator(Coordinator):
         return {"merged": bool(getattr(frame, "merged", False))}
 
     def annotate(self, frame, alerts: list) -> list:
-        """Alerts on merged rows name the rank(s) whose rows hold them (non-finite values; the
-        largest |x| for physics and overflow), and the shard where the row is one."""
+        """Alerts on merged rows name the rank(s) whose rows hold them (naming.py)."""
         if not alerts or not isinstance(getattr(frame, "bad_ranks", None), dict):
             return alerts
-        return [self._annotate_one(frame, a) for a in alerts]
-
-    def _annotate_one(self, frame, a):
-        import dataclasses
-        key = (a.module, a.tensor)
-        i = frame.index(*key)
-        if a.detector == "nonfinite":
-            sentinel = a.extra.get("source") == "sentinel"
-            r = frame.sentinel_bad.get(key) if sentinel else None
-            detail = frame.sentinel_detail.get(key) if r is not None else None
-            if r is None and i is not None:
-                r = frame.bad_range.get(i)
-                detail = frame.bad_detail.get(i)
-                if r is None and frame.bad_ranks.get(i):
-                    ranks = frame.bad_ranks[i]
-                    r = (min(ranks), max(ranks), len(ranks))
-            if r is None:
-                return a
-            lo, hi, n = r
-            where = (f"rank {lo}" if lo == hi else f"ranks {lo}..{hi} ({n} ranks)")
-            extra = {**a.extra, "ranks": reduce.listed(r), "rank_range": [lo, hi],
-                     "rank_count": n}
-            if detail:
-                extra["rank_details"] = detail
-        elif a.detector in ("physics", "overflow") and i is not None \
-                and i in frame.absmax_rank:
-            lo = frame.absmax_rank[i]
-            where = f"largest |x| on rank {lo}"
-            extra = {**a.extra, "ranks": [lo]}
-        else:
-            return a
-        shard = self._shard(key, lo)
-        if shard is not None:
-            extra["shard"] = shard
-            where += f", its shard: rows {shard['rows'][0]}..{shard['rows'][1] - 1}"
-        return dataclasses.replace(a, rank=lo, extra=extra,
-                                   message=f"{a.message} [{where} of {self.world}]")
+        return [naming.annotate(frame, a, self.world, self._shard) for a in alerts]
 
     def _shard(self, key, rank: int):
         """The dim-0 rows of the unsharded tensor that `rank` holds (FSDP2's Shard(0))."""
