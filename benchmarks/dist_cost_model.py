@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stabilitywatch.distributed import reduce, rounds, wire  # noqa: E402
+from stabilitywatch.distributed import details, reduce, rounds, wire  # noqa: E402
 from stabilitywatch.distributed.merge import LocalFrame, merged_frames, payload_rows  # noqa: E402
 from stabilitywatch.stats.buffer import Phase, StatsFrame  # noqa: E402
 from stabilitywatch.stats.layout import N_STATS  # noqa: E402
@@ -69,6 +69,17 @@ def reduce_bytes(rows: int, sentinel_rows: int, sampled: bool, tripped: bool) ->
     n = rows if sampled else 1                  # an unsampled step reads the loss alone
     sent = sentinel_rows if tripped else 0
     return 8 * (head + n * (reduce.WA + reduce.WB) + sent * (reduce.WSA + reduce.WSB))
+
+
+def guard_flag_bytes(sentinel_rows: int) -> int:
+    """The guard's every-step reduction (guard.CrossRankFlag): float32 flag codes and, per
+    gradient, the lowest and highest bad rank."""
+    return 4 * (2 + 2 * sentinel_rows)
+
+
+def details_bytes(bad_rows: int) -> int:
+    """The rare round after a bad merged row (distributed/details.py): two ranks' counts."""
+    return 8 * bad_rows * 2 * len(details.ROW_FIELDS)
 
 
 def gather_bytes(rows: int) -> int:
@@ -137,6 +148,8 @@ def main(argv=None) -> None:
         "reduce, sampled step": (reduce_bytes(R, S, True, False), True),
         "reduce, unsampled step (the loss row)": (reduce_bytes(R, S, False, False), False),
         "reduce, unsampled step, a sentinel tripped": (reduce_bytes(R, S, False, True), False),
+        "reduce, the details round after one bad row": (details_bytes(1), None),
+        "the guard's flags, every step (guard on)": (guard_flag_bytes(S), None),
     }
     gb = gather_bytes(R)
     lines = [f"Flush cost per step, {R} rows per sampled step, {S} gradients in the sentinel "
@@ -147,8 +160,9 @@ def main(argv=None) -> None:
              "|---:|---|---:|---:|---:|---:|---:|"]
     for n in WORLDS:
         for name, (b, sampled) in cases.items():
+            host = "-" if sampled is None else f"{h_red[sampled]:.2f}"
             lines.append(f"| {n:,} | {name} | {b:,} | {b:,} | {tree(n, b) * 1e3:.2f} | "
-                         f"{ring(n, b) * 1e3:.1f} | {h_red[sampled]:.2f} |")
+                         f"{ring(n, b) * 1e3:.1f} | {host} |")
         host_g = g_small + per_rank * (n - 8)
         lines.append(f"| {n:,} | all-gather (dist_merge=\"gather\"), sampled step | {gb:,} | "
                      f"{n * gb:,} | - | {ring_gather(n, gb) * 1e3:,.0f} (ring all-gather) | "
@@ -158,7 +172,9 @@ def main(argv=None) -> None:
               f"All-gather merge: {g_small:.1f} ms at 8 ranks, {g_big:.1f} ms at 64, "
               f"+{per_rank:.3f} ms per rank (extrapolated). Latency columns: the model above; "
               f"the rounds of a flush run one after another (2-3 all-reduces; 1 when nothing "
-              f"but round 1 is due), so a flush costs that many times the column."]
+              f"but round 1 is due), so a flush costs that many times the column; on the job's "
+              f"NCCL group they are queued on the device, one per step end, and the host does "
+              f"not wait for them."]
     text = "\n".join(lines)
     if a.out:
         out = Path(a.out)
