@@ -146,7 +146,8 @@ def payload(rank, world, run_dir, steps=4, dist_backend="auto"):
                 opt.zero_grad()
             sent.append(mon.dist.bytes_sent - b0)
         mon.close()
-        out[merge] = {"sent": sent, "collectives": mon.dist.collectives}
+        out[merge] = {"sent": sent, "collectives": mon.dist.collectives,
+                      "path": getattr(mon.dist, "path", None)}
         if rank == 0:
             recs = [json.loads(line) for line in (d / "stats.jsonl").read_text().splitlines()]
             out[merge]["records"] = {f"{r['step']}:{r['module']}:{r['tensor']}": r["stats"]

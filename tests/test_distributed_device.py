@@ -73,6 +73,7 @@ def test_device_path_names_the_rank_of_a_nan_and_keys_of_one_rank(spawned):
     out, run = spawned
     d0, d1 = _ok(out, run, "nan_dev")
     s0, _ = _ok(out, run, "nan_side")
+    assert d0["path"] == "device" and s0["path"] == "gloo"
     key = ("detector", "step", "rank", "module", "tensor", "message")
     assert [tuple(a[k] for k in key) for a in d0["alerts"]] == \
         [tuple(a[k] for k in key) for a in s0["alerts"]]
@@ -93,6 +94,7 @@ def test_device_path_bytes_per_step_end_are_the_side_groups(spawned):
     out, run = spawned
     p0, p1 = _ok(out, run, "payload_dev")
     s0, _ = _ok(out, run, "payload_side")
+    assert p0["reduce"]["path"] == "device" and s0["reduce"]["path"] == "gloo"
     assert p0["reduce"]["sent"] == p1["reduce"]["sent"]
     # once the keys are agreed and the pipeline is full, every step end starts round 1 of one
     # flush, round 2 of the one before and round 3 of the one before that: one flush's bytes,
@@ -117,6 +119,7 @@ def test_device_path_guard_and_incident_under_fsdp2(spawned):
 def test_device_path_a_rank_that_closes_early_stops_nobody(spawned):
     out, run = spawned
     r0, r1 = _ok(out, run, "leaves_dev")
+    assert r0["path"] == r1["path"] == "device"
     assert r0["detached"] and r1["detached"]
     assert r0["seconds_in_loop"] < 15     # not the 20 s timeout
     assert r0["frames_seen"] == 6         # every step's frame, merged or its own
