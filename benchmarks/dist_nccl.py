@@ -167,17 +167,17 @@ def cost(a, device, tmp) -> list:
             if xr is not None:
                 inner = xr.reduce
 
-                def timed(flag, inner=inner):
+                def timed(flag, bad=None, inner=inner):
                     t0 = time.perf_counter()
                     if device.type == "cuda":
                         e0, e1 = torch.cuda.Event(enable_timing=True), \
                             torch.cuda.Event(enable_timing=True)
                         e0.record()
-                        out = inner(flag)
+                        out = inner(flag, bad)
                         e1.record()
                         events.append((e0, e1))
                     else:
-                        out = inner(flag)
+                        out = inner(flag, bad)
                     host.append(time.perf_counter() - t0)
                     return out
                 xr.reduce = timed

@@ -1,7 +1,9 @@
-"""The collectives of a flush on numpy buffers, with a bounded wait and byte counts.
+"""The collectives of a flush on numpy buffers, run at once, with a bounded wait and byte
+counts: the gloo side group's, and the all-gather (dist.merge="gather") on any group.
 
-On the gloo side group the buffers stay in host memory; on the job's NCCL group they go to the
-current device and back (the wait there is a host wait, at flush time, off the step's path)."""
+On the gloo side group the buffers stay in host memory; on the job's NCCL group (the
+all-gather there) they go to the current device and back, and the host waits at the flush.
+The reduction on the job's group is queued instead (deferred.py)."""
 from __future__ import annotations
 
 import datetime

@@ -12,6 +12,11 @@
    the ids of the ranks at either extreme, then SUM of how many ranks sit at each extreme and of
    the two lowest such ranks' fingerprints (every other rank adds zeros): those ranks' details,
    gathered from them alone.
+5. Only when a merged row holds NaN/Inf (rank0 mode): SUM of the lowest and highest bad
+   rank's own counts (details.py).
+
+`plan` yields the rounds one by one, so a driver may run them at once on a side group (`run`)
+or queue each on the job's group and read it at the next step end (deferred.py).
 
 Every decision to run a round is taken from reduced values, the same on every rank, so the
 ranks stay in lockstep whatever they saw. An unsampled step end with finite gradients costs
