@@ -124,22 +124,34 @@ class Flights:
 
     def advance(self) -> list:
         """Every flight's collective started at the previous step end is read and its next one
-        started; the flights that finished: [(ctx, Reduced)], oldest first."""
-        done = []
+        started; the flights that finished, oldest first and each after every older one (a
+        flush with more rounds holds back the younger ones): [(ctx, Reduced)]. A plan that
+        stopped (ranks that close and ranks that go on) ends the advance at once on every rank:
+        the finished flights come back, the stopped one last; the caller abandons the rest."""
+        stop = False
         for f in list(self.queue):
-            self._send(f, f.op.result())
             if f.op is None:
+                continue          # finished, waiting for an older one
+            self._send(f, f.op.result())
+            if f.op is None and _stopped(f.result):
+                stop = True
+                break
+        done = []
+        if stop:
+            for f in [f for f in self.queue if f.op is None]:
                 self.queue.remove(f)
                 done.append((f.ctx, f.result))
-                if getattr(f.result, "stopped", False):
-                    break      # every rank stops here; the caller abandons the rest
+            return sorted(done, key=lambda d: _stopped(d[1]))
+        while self.queue and self.queue[0].op is None:
+            f = self.queue.popleft()
+            done.append((f.ctx, f.result))
         return done
 
     def drain(self) -> list:
         """Every flight run to its end, reading each result as it comes (at close); stops at
         a plan that stopped."""
         done = []
-        while self.queue and not any(getattr(r, "stopped", False) for _, r in done):
+        while self.queue and not any(_stopped(r) for _, r in done):
             done += self.advance()
         return done
 
@@ -157,3 +169,7 @@ class Flights:
             return
         f.op = self.ops.start(kind, a)
         f.rounds += 1
+
+
+def _stopped(result) -> bool:
+    return bool(getattr(result, "stopped", False))

@@ -121,6 +121,11 @@ def plan(window: list, tables: R.Tables, rank: int, full: bool, compare: bool, f
             break
         # else a flush still in flight (deferred.py) grew the table while this round ran: the
         # same on every rank, so every rank runs the round again on the grown table
+    # the table as round 1 saw it: a flush in flight may grow the live one under the later
+    # rounds (deferred.py); this window's keys all sit in it (no rank had new ones)
+    tables = R.Tables(rows=list(tables.rows), sent=list(tables.sent),
+                      row_index=tables.row_index, sent_index=tables.sent_index,
+                      names=tables.names)
     codes = out[R.N_HEAD:R.N_HEAD + pres.size].reshape(pres.shape)
     sel = codes > R.NEG
     trip = [s for s, v in enumerate(out[R.N_HEAD + pres.size:]) if v > 0]
