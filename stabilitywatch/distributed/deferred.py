@@ -31,14 +31,16 @@ import torch
 class _Op:
     """One collective in flight: its result lands in host memory."""
 
-    def __init__(self, dist, group, device: torch.device, kind: str, a: np.ndarray):
-        self.kind = kind
+    def __init__(self, ops: "Ops", kind: str, a: np.ndarray):
+        dist, group, device = ops.dist, ops.group, ops.device
+        self.kind, self._ops = kind, ops
         dtype = np.uint8 if kind == "gather" else np.float64
         src = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
         self.nbytes = src.numel() * src.element_size()
         cuda = device.type == "cuda"
+        self._staged = None
         if cuda:
-            self._staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._staged = ops.pinned(src.dtype, src.shape)
             self._staged.copy_(src)
             t = self._staged.to(device, non_blocking=True)
         else:
@@ -56,7 +58,7 @@ class _Op:
         self._event = None
         if cuda:
             self._work.wait()        # a stream wait on NCCL (no timeout given: not a host wait)
-            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._host = ops.pinned(out.dtype, out.shape)
             self._host.copy_(out, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(device))
@@ -75,7 +77,9 @@ class _Op:
             self._event.synchronize()
         else:
             self._work.wait()
-        got = self._host.numpy()   # sync-ok: landed (event or work done)
+        got = self._host.numpy().copy()   # sync-ok: landed (event or work done)
+        if self._event is not None:       # the copies through them are done: reused
+            self._ops.give_back(self._staged, self._host)
         if self.kind == "gather":
             rows = got.reshape(self.world, self.width)
             return [rows[r] for r in range(self.world)]
@@ -85,13 +89,27 @@ class _Op:
 class Ops:
     """Starts the plans' collectives on one process group and device; counts them."""
 
+    POOL = 32     # pinned buffers kept for reuse
+
     def __init__(self, dist, group, device: torch.device):
         self.dist, self.group, self.device = dist, group, device
         self.calls = 0
         self.bytes_sent = 0
+        self._pool: dict = {}
+
+    def pinned(self, dtype, shape) -> torch.Tensor:
+        """Pinned host memory: a pinned allocation of its own each round would block the host
+        (cudaHostAlloc); a flush's rounds repeat their sizes, so buffers are reused."""
+        got = self._pool.get((dtype, tuple(shape)))
+        return got.pop() if got else torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def give_back(self, *bufs) -> None:
+        for b in bufs:
+            if b is not None and sum(map(len, self._pool.values())) < self.POOL:
+                self._pool.setdefault((b.dtype, tuple(b.shape)), []).append(b)
 
     def start(self, kind: str, a: np.ndarray) -> _Op:
-        op = _Op(self.dist, self.group, self.device, kind, a)
+        op = _Op(self, kind, a)
         self.calls += 1
         self.bytes_sent += op.nbytes
         return op

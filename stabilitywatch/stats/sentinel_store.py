@@ -68,6 +68,7 @@ class SentinelStore:
         self._plan: Optional[_Plan] = None
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
+        self._flag_pool: list[torch.Tensor] = []  # pinned host floats for the flags, reused
         self.launches = 0                        # steps written (tests, benchmarks)
         self.again = 0                           # of which by write_again
         self.guarded = False                     # set by the guard for the step in flight
@@ -176,7 +177,10 @@ class SentinelStore:
         if self._flag is not None:
             f = self._flag.detach().reshape(-1).to(torch.float32)
             if f.is_cuda:
-                h = torch.empty(f.shape, dtype=torch.float32, pin_memory=True)
+                # a pinned allocation of its own each step would block the host (cudaHostAlloc)
+                pool = self._flag_pool
+                h = (pool.pop() if pool and pool[-1].shape == f.shape
+                     else torch.empty(f.shape, dtype=torch.float32, pin_memory=True))
                 h.copy_(f, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(f.device))
@@ -200,8 +204,10 @@ class SentinelStore:
             if host.shape == d.out.shape:
                 d.pool.append(host)
         order = self.order if self.order is not None else list(range(len(self.keys)))
-        flags = None if p.flag is None else p.flag[0].numpy()   # sync-ok: landed
+        flags = None if p.flag is None else p.flag[0].numpy().copy()   # sync-ok: landed
         code = None if flags is None else float(flags[0])
+        if p.flag is not None and p.flag[1] is not None:
+            self._flag_pool = self._flag_pool[-3:] + [p.flag[0]]
         f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
