@@ -4,7 +4,8 @@ monitored steps: any host sync in them raises. One GPU: a one-rank NCCL job (the
 job of several ranks gets, made by the scenario); two GPUs: DDP with a flipped bit, skipped
 where two GPUs are absent. Run on the GPU machine:
 
-    STABILITYWATCH_REAL_TRITON=1 PYTHONPATH=. python -m pytest -q tests/test_distributed_device_gpu.py
+    STABILITYWATCH_REAL_TRITON=1 PYTHONPATH=. python -m pytest -q \
+        tests/test_distributed_device_gpu.py
 """
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ order, whatever each rank saw. So nothing here depends on timing, data or alerts
 - detectors, alerts, captures and sinks run after the collective and never add or skip one.
 
 Failure. On the gloo side group, a collective that fails or takes longer than `dist.timeout`
-(a rank died, or left) detaches the monitor from the others: from then on each rank reads its own frames and writes
-them to its own files (`alerts.rank{r}.jsonl`...), with a warning. On the job's group a
-failing collective fails the job, as its own collectives would. A rank that closes tells the
+(a rank died, or left) detaches the monitor from the others: from then on each rank reads its
+own frames and writes them to its own files (`alerts.rank{r}.jsonl`...), with a warning. On
+the job's group a failing collective fails the job, as its own collectives would. A rank that closes tells the
 others in its last payload, and they detach at once instead of waiting for a timeout.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ here (a timeout would make NCCL's wait a host wait) and no detaching on a slow r
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -64,11 +64,6 @@ class _Op:
             self._event.record(torch.cuda.current_stream(device))
         else:
             self._host = out
-
-    def ready(self) -> bool:
-        if self._event is not None:
-            return self._event.query()
-        return self._work.is_completed()
 
     def result(self):
         """The reduced array (or the gathered buffers, in rank order); waits if it has not
@@ -121,7 +116,6 @@ class Flight:
     ctx: Any                       # what the caller needs to turn the result into frames
     op: Optional[Any] = None       # the collective in flight
     result: Any = None             # the plan's Reduced, once done
-    rounds: int = field(default=0)
 
 
 class Flights:
@@ -186,7 +180,6 @@ class Flights:
             f.op, f.result = None, stop.value
             return
         f.op = self.ops.start(kind, a)
-        f.rounds += 1
 
 
 def _stopped(result) -> bool:
