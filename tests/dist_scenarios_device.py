@@ -42,7 +42,8 @@ def device_reads_later(rank, world, run_dir, device="cpu", steps=7, flip_step=4,
         else torch.device("cpu")
     model = _mlp().to(dev)
     ddp = DDP(model, device_ids=[dev.index] if device == "cuda" else None) if ddp else model
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    # fused on CUDA: the step's count stays on the device (no host sync in step())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=device == "cuda")
     cfg = sw.Config(**QUIET, capture=(), dist={"backend": "default"})
     mon = sw.watch(ddp, opt, config=cfg, run_dir=run_dir)
     if world == 1:   # one process: the coordinator a job of several ranks gets, on its group
