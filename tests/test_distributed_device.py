@@ -142,3 +142,4 @@ def test_the_guards_flag_and_the_sentinels_ranks_ride_one_reduction(spawned):
     a = crit[0]
     assert (a["module"], a["tensor"], a["rank"]) == ("2", "grad.bias", 1)
     assert a["extra"]["source"] == "cross_rank_flags" and a["extra"]["rank_range"] == [1, 1]
+    assert a["message"].startswith("NaN/Inf first appear in 2 grad.bias on rank 1"), a["message"]

@@ -63,8 +63,10 @@ class NonFiniteDetector(Detector):
         if self._episode_start is None:
             self._episode_start = self._last_reminder = frame.step
             self._vague = vague
-            msg = (f"{int(nan)} NaN and {int(inf)} Inf of {int(numel)} values first appear in "
-                   f"{origin}{self._spread(frame, bad, found)}")
+            # another rank's gradient named by the cross-rank flags: its counts stay there
+            counts = "NaN/Inf" if extra.get("source") == "cross_rank_flags" else \
+                f"{int(nan)} NaN and {int(inf)} Inf of {int(numel)} values"
+            msg = f"{counts} first appear in {origin}{self._spread(frame, bad, found)}"
             return [Alert(step=frame.step, detector=self.name, severity=Severity.CRITICAL,
                           module=module, tensor=role, stat=stat, value=value, threshold=0.0,
                           message=msg, rank=rank, extra=extra)]
