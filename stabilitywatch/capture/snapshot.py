@@ -289,6 +289,8 @@ def _rng_states() -> dict:
     st = {"python": random.getstate(), "numpy": np.random.get_state(),
           "torch": torch.get_rng_state()}
     # only when CUDA is already in use: querying it would otherwise initialise a context
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():
+        # the state of each device's default generator, as torch.cuda.get_rng_state_all()
+        # gives it, without its per-device lookups (~10 us a device, every step)
+        st["cuda"] = [g.get_state() for g in torch.cuda.default_generators]
     return st

@@ -45,7 +45,10 @@ class StepRing:
         """At the step start (hot path: host work only, no tensor copy, no sync)."""
         hyper = None
         if self.optimizer is not None:   # an LR schedule changes these between steps
-            hyper = [{k: _plain(v) for k, v in g.items() if k != "params"}
+            # values kept as they are (made JSON-able when a bundle is written, with_hyper),
+            # but what can change in place: a tensor (lr on the device), a list
+            hyper = [{k: _plain(v) if isinstance(v, (torch.Tensor, list)) else v
+                      for k, v in g.items() if k != "params"}
                      for g in self.optimizer.param_groups]
         self.records = self.records[-(self.size - 1):] + [
             StepRecord(step, seq, batch, _rng_states(), hyper)]
@@ -115,7 +118,8 @@ def with_hyper(meta: Optional[dict], hyper: Optional[list]) -> Optional[dict]:
     """Optimizer metadata with the param groups' hyper-parameters of the step's start."""
     if meta is None or hyper is None or len(hyper) != len(meta.get("param_groups", ())):
         return meta
-    groups = [{**h, "params": g["params"]} for g, h in zip(meta["param_groups"], hyper)]
+    groups = [{**{k: _plain(v) for k, v in h.items()}, "params": g["params"]}
+              for g, h in zip(meta["param_groups"], hyper)]
     return {**meta, "param_groups": groups}
 
 

@@ -219,6 +219,11 @@ class StatsBuffer:
         """Steps ended whose frames have not been read yet."""
         return len(self._pending)
 
+    @property
+    def untracked(self) -> bool:
+        """True when compiled code may have written rows without the host's bookkeeping."""
+        return self._untracked
+
     def last_pending(self):
         """The latest step ended and not read yet (its copies and events), or None."""
         return self._pending[-1] if self._pending else None

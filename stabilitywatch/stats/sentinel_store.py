@@ -68,6 +68,7 @@ class SentinelStore:
         self._plan: Optional[_Plan] = None
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
+        self._flag_pool: list[torch.Tensor] = []  # pinned host floats for the flag, reused
         self.launches = 0                        # steps written (tests, benchmarks)
         self.again = 0                           # of which by write_again
         self.guarded = False                     # set by the guard for the step in flight
@@ -167,7 +168,9 @@ class SentinelStore:
         if self._flag is not None:
             f = self._flag.detach().reshape(1).to(torch.float32)
             if f.is_cuda:
-                h = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                # a pinned allocation of its own each step would block the host (cudaHostAlloc)
+                h = (self._flag_pool.pop() if self._flag_pool
+                     else torch.empty(1, dtype=torch.float32, pin_memory=True))
                 h.copy_(f, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(f.device))
@@ -192,6 +195,8 @@ class SentinelStore:
                 d.pool.append(host)
         order = self.order if self.order is not None else list(range(len(self.keys)))
         code = None if p.flag is None else float(p.flag[0].numpy()[0])   # sync-ok: landed
+        if p.flag is not None and p.flag[1] is not None:
+            self._flag_pool.append(p.flag[0])
         f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],

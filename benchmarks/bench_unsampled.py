@@ -1,0 +1,217 @@
+"""The training thread's CPU time per step spent in the monitor, by part, on unsampled and
+sampled steps of the default config:
+
+    python benchmarks/bench_unsampled.py [--device cpu|cuda] [--model llama|gpt2]
+        [--steps 45] [--skip 15] [--repeats 2] [--config default] [--sync] [--smoke]
+
+Models: benchmarks/bench_steps.py's `build` (HF Llama, 8 layers, d 1024, batch 8 x 1024, bf16
+autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes). One run without a
+monitor and one with `--config` (default: `Config()`; "default,nosentinel" etc. as in
+bench_steps.py), their steps interleaved, `--repeats` times (medians over repeats). Parts, `time.thread_time` of the training
+thread, mean per step over steps `--skip`.. (a step is sampled when the schedule reads more
+than the loss):
+
+- begin / end: `Monitor._begin` / `Monitor._end` (the step start: schedule, RNG states for
+  captures, ...; the step end: the copies to host memory, reading landed frames, queueing them);
+- observe_loss: `Monitor.observe_loss`;
+- optimizer taps: the monitor's optimizer pre- and post-step hooks (the sentinel's launch, the
+  guard, update and optimizer-state taps, the snapshot's wait), timed by hooks of this script
+  registered before and after the monitor's;
+- forward / backward: the user's forward (backward) call minus the unmonitored run's mean (the
+  module and gradient hooks; noisy: the difference of two means);
+- hooks: forward hooks on the watched modules during the step (the early-returning ones cost
+  the module call's slow path even when they do nothing).
+
+Also per step: the pinned host allocations made (`torch.cuda.host_memory_stats`
+"num_host_alloc": cudaHostAlloc blocks the host), the time step starts waited for the frame
+processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
+the wall time: wall growing beyond CPU time is a wait.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_steps  # noqa: E402
+
+PARTS = ("begin", "forward", "backward", "observe_loss", "optimizer taps", "end")
+
+
+def _pinned_allocs(device: str) -> int:
+    if device != "cuda":
+        return 0
+    try:
+        return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+class _Timed:
+    """Sums the training thread's CPU time spent in a callable (per step: `take()`)."""
+
+    def __init__(self, fn):
+        self.fn, self.spent = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t = time.thread_time()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.spent += time.thread_time() - t
+
+    def take(self) -> float:
+        out, self.spent = self.spent, 0.0
+        return out
+
+
+class _Run:
+    """One model and optimizer, monitored (`kind` a bench_steps config) or not ("none")."""
+
+    def __init__(self, model: str, kind: str, device: str, smoke: bool, out: str):
+        self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke)
+        self.device = device
+        cfg = bench_steps.config(kind)
+        self.marks: dict = {}
+        opt = self.opt
+        self.handles = [opt.register_step_pre_hook(self._mark("pre0")),
+                        opt.register_step_post_hook(self._mark("post0"))]
+        self.mon = None
+        if cfg is not None:
+            import stabilitywatch as sw
+            self.mon = sw.watch(self.m, opt, config=cfg, run_dir=out)
+            for name in ("_begin", "_end", "observe_loss"):
+                setattr(self.mon, name, _Timed(getattr(self.mon, name)))
+        self.handles += [opt.register_step_pre_hook(self._mark("pre1")),
+                         opt.register_step_post_hook(self._mark("post1"))]
+        self.watched = [mod for _, mod in self.mon.modules] if self.mon is not None else []
+        self.rows: dict = {"sampled": [], "unsampled": [], "every": []}
+
+    def _mark(self, name):
+        def hook(*_):
+            self.marks[name] = time.thread_time()
+        return hook
+
+    def step(self, i: int, sync: bool, keep: bool) -> None:
+        mon, device, ids = self.mon, self.device, self.ids
+        do_sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        if sync:
+            do_sync()
+        w0, c0, a0 = time.perf_counter(), time.thread_time(), _pinned_allocs(device)
+        q0 = mon.processor.waited if mon is not None else 0.0
+        ctx = mon.step(i, batch=ids) if mon is not None else bench_steps._null()
+        part = dict.fromkeys(PARTS, 0.0)
+        with ctx:
+            sampled = mon is not None and mon.sampling
+            hooks = sum(len(mod._forward_hooks) for mod in self.watched)
+            t = time.thread_time()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = self.fwd(input_ids=ids).logits
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   ids[:, 1:].reshape(-1))
+            part["forward"] = time.thread_time() - t
+            t = time.thread_time()
+            loss.backward()
+            part["backward"] = time.thread_time() - t
+            if mon is not None:
+                mon.observe_loss(loss)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        c1 = time.thread_time()
+        if sync:
+            do_sync()
+        w1 = time.perf_counter()
+        m = self.marks
+        part["optimizer taps"] = m["pre1"] - m["pre0"] + m["post1"] - m["post0"]
+        if mon is not None:
+            part["begin"], part["end"] = mon._begin.take(), mon._end.take()
+            part["observe_loss"] = mon.observe_loss.take()
+        if keep:
+            k = "every" if mon is None else "sampled" if sampled else "unsampled"
+            self.rows[k].append(dict(part, cpu=c1 - c0, wall=w1 - w0, hooks=hooks,
+                                     pinned=_pinned_allocs(device) - a0,
+                                     waited=mon.processor.waited - q0 if mon else 0.0))
+
+    def close(self) -> dict:
+        if self.mon is not None:
+            self.mon.close()
+        for h in self.handles:
+            h.remove()
+        return {k: {f: statistics.mean(r[f] for r in v) for f in v[0]} | {"n": len(v)}
+                for k, v in self.rows.items() if v}
+
+
+def run_pair(model: str, kind: str, device: str, smoke: bool, steps: int, skip: int,
+             sync: bool, out: str) -> tuple[dict, dict]:
+    """The unmonitored and the monitored run, their steps interleaved (the machine's drift
+    falls on both)."""
+    pair = [_Run(model, "none", device, smoke, f"{out}-none"),
+            _Run(model, kind, device, smoke, f"{out}-mon")]
+    for i in range(steps):
+        for r in (pair if i % 2 else pair[::-1]):
+            r.step(i, sync, i >= skip)
+    return pair[0].close(), pair[1].close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="llama", choices=("llama", "gpt2"))
+    p.add_argument("--config", default="default")
+    p.add_argument("--steps", type=int, default=45)
+    p.add_argument("--skip", type=int, default=15, help="steps left out at the start")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sync", action="store_true", help="synchronize around each step")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU always has them)")
+    a = p.parse_args(argv)
+    smoke = a.smoke or a.device == "cpu"
+    if a.skip >= a.steps:
+        p.error("--skip must be below --steps")
+    print(f"# bench_unsampled: {a.model}{' (tiny)' if smoke else ''} on {a.device}, torch "
+          f"{torch.__version__}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
+          f"config {a.config!r}, steps {a.skip}..{a.steps - 1} x {a.repeats}"
+          f"{', synchronized' if a.sync else ''}")
+    runs: dict = {"none": [], a.config: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            none, mon = run_pair(a.model, a.config, a.device, smoke, a.steps, a.skip, a.sync,
+                                 f"{tmp}/{r}")
+            runs["none"].append(none)
+            runs[a.config].append(mon)
+    base = {f: statistics.median(x["every"][f] for x in runs["none"])
+            for f in ("forward", "backward", "cpu", "wall")}
+    ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
+    print("| step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
+          "optimizer taps | end | monitor's parts | step CPU | its monitor's part | wall | "
+          "its monitor's part | forward hooks | pinned allocs | waited |")
+    print("|---|" + "---:|" * 14)
+    print(f"| no monitor ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
+          f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['wall'])} | | 0 | | |")
+    for kind in ("unsampled", "sampled"):
+        got = [x[kind] for x in runs[a.config] if kind in x]
+        if not got:
+            continue
+        med = {f: statistics.median(g[f] for g in got) for f in got[0]}
+        med["forward"] -= base["forward"]
+        med["backward"] -= base["backward"]
+        own = sum(med[f] for f in PARTS)
+        print(f"| {kind} ({got[0]['n']}) | {ms(med['begin'])} | {med['forward'] * 1e3:+.3f} | "
+              f"{med['backward'] * 1e3:+.3f} | {ms(med['observe_loss'])} | "
+              f"{ms(med['optimizer taps'])} | {ms(med['end'])} | {own * 1e3:.3f} | "
+              f"{ms(med['cpu'])} | {(med['cpu'] - base['cpu']) * 1e3:+.3f} | {ms(med['wall'])} | "
+              f"{(med['wall'] - base['wall']) * 1e3:+.3f} | {med['hooks']:.0f} | "
+              f"{med['pinned']:.2f} | {ms(med['waited'])} |")
+    print("(ms per step; forward/backward and the step's monitor's part: against the "
+          "unmonitored run's mean, so within the run's noise)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
