@@ -22,7 +22,9 @@ than the loss):
 - hooks: forward hooks on the watched modules during the step (the early-returning ones cost
   the module call's slow path even when they do nothing).
 
-Also per step: the pinned host allocations made (`torch.cuda.host_memory_stats`
+On CUDA the backward runs on the autograd engine's own thread (the training thread waits in
+`backward()`): its CPU time, gradient hooks included, is the "backward thread CPU" column, not
+in the training thread's. Also per step: the pinned host allocations made (`torch.cuda.host_memory_stats`
 "num_host_alloc": cudaHostAlloc blocks the host), the time step starts waited for the frame
 processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
 the wall time: wall growing beyond CPU time is a wait.
@@ -34,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -52,6 +55,15 @@ def _pinned_allocs(device: str) -> int:
         return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
     except (AttributeError, RuntimeError):
         return 0
+
+
+def _cpu_of(ident) -> float:
+    if ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, AttributeError, ProcessLookupError):
+        return 0.0
 
 
 class _Timed:
@@ -93,6 +105,12 @@ class _Run:
                          opt.register_step_post_hook(self._mark("post1"))]
         self.watched = [mod for _, mod in self.mon.modules] if self.mon is not None else []
         self.rows: dict = {"sampled": [], "unsampled": [], "every": []}
+        self.worker = None   # the autograd engine's thread that runs a CUDA backward
+
+    def _learn_worker(self, grad):
+        if threading.get_ident() != threading.main_thread().ident:
+            self.worker = threading.get_ident()
+        return grad
 
     def _mark(self, name):
         def hook(*_):
@@ -105,6 +123,7 @@ class _Run:
         if sync:
             do_sync()
         w0, c0, a0 = time.perf_counter(), time.thread_time(), _pinned_allocs(device)
+        b0 = _cpu_of(self.worker)
         q0 = mon.processor.waited if mon is not None else 0.0
         ctx = mon.step(i, batch=ids) if mon is not None else bench_steps._null()
         part = dict.fromkeys(PARTS, 0.0)
@@ -117,6 +136,8 @@ class _Run:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    ids[:, 1:].reshape(-1))
             part["forward"] = time.thread_time() - t
+            if self.worker is None and loss.is_cuda:
+                loss.register_hook(self._learn_worker)
             t = time.thread_time()
             loss.backward()
             part["backward"] = time.thread_time() - t
@@ -136,6 +157,7 @@ class _Run:
         if keep:
             k = "every" if mon is None else "sampled" if sampled else "unsampled"
             self.rows[k].append(dict(part, cpu=c1 - c0, wall=w1 - w0, hooks=hooks,
+                                     bwd_thread=_cpu_of(self.worker) - b0 if b0 else 0.0,
                                      pinned=_pinned_allocs(device) - a0,
                                      waited=mon.processor.waited - q0 if mon else 0.0))
 
@@ -186,14 +208,16 @@ def main(argv=None) -> int:
             runs["none"].append(none)
             runs[a.config].append(mon)
     base = {f: statistics.median(x["every"][f] for x in runs["none"])
-            for f in ("forward", "backward", "cpu", "wall")}
+            for f in ("forward", "backward", "cpu", "wall", "bwd_thread")}
     ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
     print("| step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
-          "optimizer taps | end | monitor's parts | step CPU | its monitor's part | wall | "
-          "its monitor's part | forward hooks | pinned allocs | waited |")
-    print("|---|" + "---:|" * 14)
+          "optimizer taps | end | monitor's parts | step CPU | its monitor's part | "
+          "backward thread CPU | its monitor's part | wall | its monitor's part | "
+          "forward hooks | pinned allocs | waited |")
+    print("|---|" + "---:|" * 16)
     print(f"| no monitor ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
-          f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['wall'])} | | 0 | | |")
+          f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['bwd_thread'])} | | "
+          f"{ms(base['wall'])} | | 0 | | |")
     for kind in ("unsampled", "sampled"):
         got = [x[kind] for x in runs[a.config] if kind in x]
         if not got:
@@ -205,7 +229,9 @@ def main(argv=None) -> int:
         print(f"| {kind} ({got[0]['n']}) | {ms(med['begin'])} | {med['forward'] * 1e3:+.3f} | "
               f"{med['backward'] * 1e3:+.3f} | {ms(med['observe_loss'])} | "
               f"{ms(med['optimizer taps'])} | {ms(med['end'])} | {own * 1e3:.3f} | "
-              f"{ms(med['cpu'])} | {(med['cpu'] - base['cpu']) * 1e3:+.3f} | {ms(med['wall'])} | "
+              f"{ms(med['cpu'])} | {(med['cpu'] - base['cpu']) * 1e3:+.3f} | "
+              f"{ms(med['bwd_thread'])} | {(med['bwd_thread'] - base['bwd_thread']) * 1e3:+.3f} | "
+              f"{ms(med['wall'])} | "
               f"{(med['wall'] - base['wall']) * 1e3:+.3f} | {med['hooks']:.0f} | "
               f"{med['pinned']:.2f} | {ms(med['waited'])} |")
     print("(ms per step; forward/backward and the step's monitor's part: against the "
