@@ -2,12 +2,15 @@
 sampled steps of the default config:
 
     python benchmarks/bench_unsampled.py [--device cpu|cuda] [--model llama|gpt2]
-        [--steps 45] [--skip 15] [--repeats 2] [--config default] [--sync] [--smoke]
+        [--steps 45] [--skip 15] [--repeats 2] [--config default] [--keep-hooks] [--sync]
+        [--smoke]
 
 Models: benchmarks/bench_steps.py's `build` (HF Llama, 8 layers, d 1024, batch 8 x 1024, bf16
 autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes). One run without a
 monitor and one with `--config` (default: `Config()`; "default,nosentinel" etc. as in
-bench_steps.py), their steps interleaved, `--repeats` times (medians over repeats). Parts, `time.thread_time` of the training
+bench_steps.py), with `--keep-hooks` also that config with its forward hooks registered on every
+step (as on a torch.compile'd model), their steps interleaved, `--repeats` times (medians over
+repeats). Parts, `time.thread_time` of the training
 thread, mean per step over steps `--skip`.. (a step is sampled when the schedule reads more
 than the loss):
 
@@ -87,7 +90,8 @@ class _Timed:
 class _Run:
     """One model and optimizer, monitored (`kind` a bench_steps config) or not ("none")."""
 
-    def __init__(self, model: str, kind: str, device: str, smoke: bool, out: str):
+    def __init__(self, model: str, kind: str, device: str, smoke: bool, out: str,
+                 keep_hooks: bool = False):
         self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke)
         self.device = device
         cfg = bench_steps.config(kind)
@@ -101,6 +105,8 @@ class _Run:
             self.mon = sw.watch(self.m, opt, config=cfg, run_dir=out)
             for name in ("_begin", "_end", "observe_loss"):
                 setattr(self.mon, name, _Timed(getattr(self.mon, name)))
+            # as on a compiled model: the forward hooks stay registered on every step
+            self.mon.taps.keep_forward = keep_hooks
         self.handles += [opt.register_step_pre_hook(self._mark("pre1")),
                          opt.register_step_post_hook(self._mark("post1"))]
         self.watched = [mod for _, mod in self.mon.modules] if self.mon is not None else []
@@ -161,6 +167,22 @@ class _Run:
                                      pinned=_pinned_allocs(device) - a0,
                                      waited=mon.processor.waited - q0 if mon else 0.0))
 
+    def forward_ab(self, reps: int) -> tuple[float, float, int]:
+        """The forward alone, between steps, with the monitor's forward hooks removed and
+        registered (returning at once, as on an unsampled step): the minimum CPU time of
+        `reps` alternating calls each."""
+        taps, times = self.mon.taps, {False: [], True: []}
+        for _ in range(reps):
+            for hooks in (False, True):
+                taps.keep_forward = hooks
+                taps.set_forward(hooks)
+                t = time.thread_time()
+                with torch.autocast(self.device, dtype=torch.bfloat16):
+                    self.fwd(input_ids=self.ids)
+                times[hooks].append(time.thread_time() - t)
+        taps.keep_forward = False
+        return min(times[False]), min(times[True]), len(self.watched)
+
     def close(self) -> dict:
         if self.mon is not None:
             self.mon.close()
@@ -170,16 +192,20 @@ class _Run:
                 for k, v in self.rows.items() if v}
 
 
-def run_pair(model: str, kind: str, device: str, smoke: bool, steps: int, skip: int,
-             sync: bool, out: str) -> tuple[dict, dict]:
-    """The unmonitored and the monitored run, their steps interleaved (the machine's drift
-    falls on both)."""
-    pair = [_Run(model, "none", device, smoke, f"{out}-none"),
+def run_group(model: str, kind: str, device: str, smoke: bool, steps: int, skip: int,
+              sync: bool, out: str, keep_hooks: bool) -> list[dict]:
+    """The unmonitored run, the monitored one (and with `keep_hooks` the monitored one whose
+    forward hooks stay registered), their steps interleaved: the machine's drift falls on
+    all of them."""
+    runs = [_Run(model, "none", device, smoke, f"{out}-none"),
             _Run(model, kind, device, smoke, f"{out}-mon")]
+    if keep_hooks:
+        runs.append(_Run(model, kind, device, smoke, f"{out}-kept", keep_hooks=True))
     for i in range(steps):
-        for r in (pair if i % 2 else pair[::-1]):
+        for r in (runs if i % 2 else runs[::-1]):
             r.step(i, sync, i >= skip)
-    return pair[0].close(), pair[1].close()
+    ab = runs[1].forward_ab(20)
+    return [r.close() for r in runs] + [ab]
 
 
 def main(argv=None) -> int:
@@ -191,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=15, help="steps left out at the start")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sync", action="store_true", help="synchronize around each step")
+    p.add_argument("--keep-hooks", action="store_true", help="also a monitored run whose forward "
+                   "hooks stay registered on every step (as on a compiled model)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU always has them)")
     a = p.parse_args(argv)
     smoke = a.smoke or a.device == "cpu"
@@ -200,33 +228,36 @@ def main(argv=None) -> int:
           f"{torch.__version__}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"config {a.config!r}, steps {a.skip}..{a.steps - 1} x {a.repeats}"
           f"{', synchronized' if a.sync else ''}")
-    runs: dict = {"none": [], a.config: []}
+    labels = ["none", a.config] + ([f"{a.config}, forward hooks kept"] if a.keep_hooks else [])
+    runs: dict = {k: [] for k in labels}
+    ab = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
-            none, mon = run_pair(a.model, a.config, a.device, smoke, a.steps, a.skip, a.sync,
-                                 f"{tmp}/{r}")
-            runs["none"].append(none)
-            runs[a.config].append(mon)
+            *got, pair = run_group(a.model, a.config, a.device, smoke, a.steps, a.skip, a.sync,
+                                   f"{tmp}/{r}", a.keep_hooks)
+            for k, g in zip(labels, got):
+                runs[k].append(g)
+            ab.append(pair)
     base = {f: statistics.median(x["every"][f] for x in runs["none"])
             for f in ("forward", "backward", "cpu", "wall", "bwd_thread")}
     ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
-    print("| step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
+    print("| run | step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
           "optimizer taps | end | monitor's parts | step CPU | its monitor's part | "
           "backward thread CPU | its monitor's part | wall | its monitor's part | "
           "forward hooks | pinned allocs | waited |")
-    print("|---|" + "---:|" * 16)
-    print(f"| no monitor ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
+    print("|---|---|" + "---:|" * 16)
+    print(f"| no monitor | every ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
           f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['bwd_thread'])} | | "
           f"{ms(base['wall'])} | | 0 | | |")
-    for kind in ("unsampled", "sampled"):
-        got = [x[kind] for x in runs[a.config] if kind in x]
+    for label, kind in [(k, kind) for k in labels[1:] for kind in ("unsampled", "sampled")]:
+        got = [x[kind] for x in runs[label] if kind in x]
         if not got:
             continue
         med = {f: statistics.median(g[f] for g in got) for f in got[0]}
         med["forward"] -= base["forward"]
         med["backward"] -= base["backward"]
         own = sum(med[f] for f in PARTS)
-        print(f"| {kind} ({got[0]['n']}) | {ms(med['begin'])} | {med['forward'] * 1e3:+.3f} | "
+        print(f"| {label} | {kind} ({got[0]['n']}) | {ms(med['begin'])} | {med['forward'] * 1e3:+.3f} | "
               f"{med['backward'] * 1e3:+.3f} | {ms(med['observe_loss'])} | "
               f"{ms(med['optimizer taps'])} | {ms(med['end'])} | {own * 1e3:.3f} | "
               f"{ms(med['cpu'])} | {(med['cpu'] - base['cpu']) * 1e3:+.3f} | "
@@ -236,6 +267,10 @@ def main(argv=None) -> int:
               f"{med['pinned']:.2f} | {ms(med['waited'])} |")
     print("(ms per step; forward/backward and the step's monitor's part: against the "
           "unmonitored run's mean, so within the run's noise)")
+    off, on = (statistics.median(x[i] for x in ab) for i in (0, 1))
+    print(f"forward alone, minimum of 20: without the monitor's forward hooks {off * 1e3:.3f} "
+          f"ms, with them (returning at once) {on * 1e3:.3f} ms ({(on - off) * 1e6:+.0f} us "
+          f"for {ab[0][2]} hooks)")
     return 0
 
 

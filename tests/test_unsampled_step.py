@@ -105,3 +105,38 @@ def test_a_compiled_model_keeps_its_forward_hooks(tmp_path):
                   run_dir=tmp_path / "eager") as mon:
         _train(model, mon, 4, seen=seen)
     assert [sum(len(v) for v in seen[s].values()) for s in range(4)] == [2, 0, 2, 0]
+
+
+def _same_numpy_state(a, b):
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+def test_rng_states_read_numpy_in_full_only_when_it_can_have_changed(monkeypatch):
+    import random
+    from stabilitywatch.capture import rng as rng_mod
+    full = []
+    get_state = np.random.get_state
+
+    def counted(*a, **k):
+        full.append(1)
+        return get_state(*a, **k)
+    np.random.seed(5)
+    reader = rng_mod.RngStates()
+    monkeypatch.setattr(rng_mod.np.random, "get_state", counted)
+    moves = [lambda: None, lambda: None, lambda: np.random.rand(3),
+             lambda: np.random.standard_normal(),   # draws a pair, keeps one: has_gauss
+             lambda: None,
+             lambda: np.random.standard_normal(),   # takes the kept one: the words stay
+             lambda: None, lambda: np.random.seed(5), lambda: None,
+             lambda: random.random(), lambda: torch.rand(2)]
+    reads = []
+    for move in moves:
+        move()
+        st = reader.read()
+        want = get_state()
+        assert _same_numpy_state(st["numpy"], want)
+        assert st["python"] == random.getstate() and torch.equal(st["torch"], torch.get_rng_state())
+        reads.append(len(full))
+    # full reads: the first, after rand, after each normal draw, the one after the cached
+    # Gaussian was read (has_gauss), after the seed; none where nothing moved
+    assert reads == [1, 1, 2, 3, 4, 5, 5, 6, 6, 6, 6], reads

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stabilitywatch as sw
-from stabilitywatch.capture.snapshot import _rng_states
+from stabilitywatch.capture.rng import RngStates
 from stabilitywatch.demo import build_model, make_batch, train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -91,7 +91,7 @@ def test_cuda_rng_states_are_get_rng_state_all():
     torch.cuda.init()
     torch.cuda.manual_seed_all(7)
     torch.randn(3, device="cuda")   # moves the offset
-    st = _rng_states()
+    st = RngStates().read()
     want = torch.cuda.get_rng_state_all()
     assert len(st["cuda"]) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(st["cuda"], want))

@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .snapshot import _model_tensors, _optim_tensors, _plain, _rng_states
+from .rng import RngStates
+from .snapshot import _model_tensors, _optim_tensors, _plain
 
 HOST_FRACTION = 0.25   # of physical host memory, at most, for the one copy of a bundle's state
 RING = 16              # steps whose batch and RNG states are held while their frame is unread
@@ -40,6 +41,7 @@ class StepRing:
     def __init__(self, optimizer: Optional[torch.optim.Optimizer], size: int = RING):
         self.optimizer, self.size = optimizer, size
         self.records: list[StepRecord] = []
+        self.rng = RngStates()
 
     def add(self, step: int, seq: int, batch: Any) -> None:
         """At the step start (hot path: host work only, no tensor copy, no sync)."""
@@ -51,7 +53,7 @@ class StepRing:
                       for k, v in g.items() if k != "params"}
                      for g in self.optimizer.param_groups]
         self.records = self.records[-(self.size - 1):] + [
-            StepRecord(step, seq, batch, _rng_states(), hyper)]
+            StepRecord(step, seq, batch, self.rng.read(), hyper)]
 
     def find(self, step: int) -> Optional[StepRecord]:
         return next((r for r in reversed(self.records) if r.step == step), None)
