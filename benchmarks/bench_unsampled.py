@@ -30,7 +30,9 @@ On CUDA the backward runs on the autograd engine's own thread (the training thre
 in the training thread's. Also per step: the pinned host allocations made (`torch.cuda.host_memory_stats`
 "num_host_alloc": cudaHostAlloc blocks the host), the time step starts waited for the frame
 processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
-the wall time: wall growing beyond CPU time is a wait.
+the wall time: wall growing beyond CPU time is a wait. The frame processing thread's CPU time
+during the step is the last column: while it runs Python, each GIL re-acquisition of the
+training thread (after every torch call, which releases it) can wait for it.
 """
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ def _cpu_of(ident) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
     except (OSError, AttributeError, ProcessLookupError):
         return 0.0
+
+
+def _processing_cpu() -> float:
+    """CPU time of the frame processing threads alive now (every monitor's, for one step)."""
+    from stabilitywatch.processing import THREAD_NAME
+    return sum(_cpu_of(t.ident) for t in threading.enumerate() if t.name == THREAD_NAME)
 
 
 class _Timed:
@@ -130,6 +138,7 @@ class _Run:
             do_sync()
         w0, c0, a0 = time.perf_counter(), time.thread_time(), _pinned_allocs(device)
         b0 = _cpu_of(self.worker)
+        p0 = _processing_cpu()
         q0 = mon.processor.waited if mon is not None else 0.0
         ctx = mon.step(i, batch=ids) if mon is not None else bench_steps._null()
         part = dict.fromkeys(PARTS, 0.0)
@@ -164,6 +173,7 @@ class _Run:
             k = "every" if mon is None else "sampled" if sampled else "unsampled"
             self.rows[k].append(dict(part, cpu=c1 - c0, wall=w1 - w0, hooks=hooks,
                                      bwd_thread=_cpu_of(self.worker) - b0 if b0 else 0.0,
+                                     processing=_processing_cpu() - p0,
                                      pinned=_pinned_allocs(device) - a0,
                                      waited=mon.processor.waited - q0 if mon else 0.0))
 
@@ -244,11 +254,11 @@ def main(argv=None) -> int:
     print("| run | step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
           "optimizer taps | end | monitor's parts | step CPU | its monitor's part | "
           "backward thread CPU | its monitor's part | wall | its monitor's part | "
-          "forward hooks | pinned allocs | waited |")
-    print("|---|---|" + "---:|" * 16)
+          "forward hooks | pinned allocs | waited | processing thread CPU |")
+    print("|---|---|" + "---:|" * 17)
     print(f"| no monitor | every ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
           f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['bwd_thread'])} | | "
-          f"{ms(base['wall'])} | | 0 | | |")
+          f"{ms(base['wall'])} | | 0 | | | |")
     for label, kind in [(k, kind) for k in labels[1:] for kind in ("unsampled", "sampled")]:
         got = [x[kind] for x in runs[label] if kind in x]
         if not got:
@@ -264,7 +274,7 @@ def main(argv=None) -> int:
               f"{ms(med['bwd_thread'])} | {(med['bwd_thread'] - base['bwd_thread']) * 1e3:+.3f} | "
               f"{ms(med['wall'])} | "
               f"{(med['wall'] - base['wall']) * 1e3:+.3f} | {med['hooks']:.0f} | "
-              f"{med['pinned']:.2f} | {ms(med['waited'])} |")
+              f"{med['pinned']:.2f} | {ms(med['waited'])} | {ms(med['processing'])} |")
     print("(ms per step; forward/backward and the step's monitor's part: against the "
           "unmonitored run's mean, so within the run's noise)")
     off, on = (statistics.median(x[i] for x in ab) for i in (0, 1))
