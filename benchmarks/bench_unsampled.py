@@ -179,8 +179,8 @@ class _Run:
 
     def forward_ab(self, reps: int) -> tuple[float, float, int]:
         """The forward alone, between steps, with the monitor's forward hooks removed and
-        registered (returning at once, as on an unsampled step): the minimum CPU time of
-        `reps` alternating calls each."""
+        registered (returning at once, as on an unsampled step), `reps` alternating pairs:
+        the median CPU time without them and the median of the pairs' differences."""
         taps, times = self.mon.taps, {False: [], True: []}
         for _ in range(reps):
             for hooks in (False, True):
@@ -191,7 +191,8 @@ class _Run:
                     self.fwd(input_ids=self.ids)
                 times[hooks].append(time.thread_time() - t)
         taps.keep_forward = False
-        return min(times[False]), min(times[True]), len(self.watched)
+        diff = statistics.median(b - a for a, b in zip(times[False], times[True]))
+        return statistics.median(times[False]), diff, len(self.watched)
 
     def close(self) -> dict:
         if self.mon is not None:
@@ -214,7 +215,7 @@ def run_group(model: str, kind: str, device: str, smoke: bool, steps: int, skip:
     for i in range(steps):
         for r in (runs if i % 2 else runs[::-1]):
             r.step(i, sync, i >= skip)
-    ab = runs[1].forward_ab(20)
+    ab = runs[1].forward_ab(100)
     return [r.close() for r in runs] + [ab]
 
 
@@ -277,10 +278,10 @@ def main(argv=None) -> int:
               f"{med['pinned']:.2f} | {ms(med['waited'])} | {ms(med['processing'])} |")
     print("(ms per step; forward/backward and the step's monitor's part: against the "
           "unmonitored run's mean, so within the run's noise)")
-    off, on = (statistics.median(x[i] for x in ab) for i in (0, 1))
-    print(f"forward alone, minimum of 20: without the monitor's forward hooks {off * 1e3:.3f} "
-          f"ms, with them (returning at once) {on * 1e3:.3f} ms ({(on - off) * 1e6:+.0f} us "
-          f"for {ab[0][2]} hooks)")
+    off, diff = (statistics.median(x[i] for x in ab) for i in (0, 1))
+    print(f"forward alone, 100 alternating pairs: {off * 1e3:.3f} ms without the monitor's "
+          f"forward hooks; with them (returning at once) {diff * 1e6:+.0f} us (the pairs' "
+          f"median difference) for {ab[0][2]} hooks")
     return 0
 
 
