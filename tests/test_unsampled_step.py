@@ -140,3 +140,19 @@ def test_rng_states_read_numpy_in_full_only_when_it_can_have_changed(monkeypatch
     # full reads: the first, after rand, after each normal draw, the one after the cached
     # Gaussian was read (has_gauss), after the seed; none where nothing moved
     assert reads == [1, 1, 2, 3, 4, 5, 5, 6, 6, 6, 6], reads
+
+
+def test_frames_whose_copies_landed_are_read_without_a_wait_call(tmp_path, monkeypatch):
+    """At a step end the frames are polled: an event that completed needs no synchronize (on
+    CUDA an API call per copy and per step); only close() waits."""
+    from stabilitywatch.stats import staging
+    waits = []
+    wait = staging.Pending.wait
+    monkeypatch.setattr(staging.Pending, "wait", lambda self: (waits.append(self.step),
+                                                               wait(self))[1])
+    model = _model()
+    mon = sw.watch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   config=sw.Config(every=2, warmup=0, sinks=()), run_dir=tmp_path)
+    _train(model, mon, 4)
+    assert mon.frames_seen == 4 and waits == []
+    mon.close()

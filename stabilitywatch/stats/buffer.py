@@ -237,7 +237,8 @@ class StatsBuffer:
             p = self._pending[0]
             if not block and not p.ready():
                 break
-            p.wait()
+            if block:   # a step whose events all completed needs no wait call
+                p.wait()
             self._pending.pop(0)
             sent = self.sentinel.frame(p.sentinel) if p.sentinel is not None else None
             if sent is not None:
