@@ -27,9 +27,9 @@ than the loss):
 
 On CUDA the backward runs on the autograd engine's own thread (the training thread waits in
 `backward()`): its CPU time, gradient hooks included, is the "backward thread CPU" column, not
-in the training thread's. Also per step: the pinned host allocations made (`torch.cuda.host_memory_stats`
-"num_host_alloc": cudaHostAlloc blocks the host), the time step starts waited for the frame
-processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
+in the training thread's. Also per step: the pinned host allocations made
+(`torch.cuda.host_memory_stats` "num_host_alloc": cudaHostAlloc blocks the host), the time
+step starts waited for the frame processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
 the wall time: wall growing beyond CPU time is a wait. The frame processing thread's CPU time
 during the step is the last column: while it runs Python, each GIL re-acquisition of the
 training thread (after every torch call, which releases it) can wait for it.
@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     base = {f: statistics.median(x["every"][f] for x in runs["none"])
             for f in ("forward", "backward", "cpu", "wall", "bwd_thread")}
     ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
-    print("| run | step kind (count) | begin | forward (+hooks) | backward (+hooks) | observe_loss | "
+    print("| run | step kind (count) | begin | forward (+hooks) | backward (+hooks) | "
+          "observe_loss | "
           "optimizer taps | end | monitor's parts | step CPU | its monitor's part | "
           "backward thread CPU | its monitor's part | wall | its monitor's part | "
           "forward hooks | pinned allocs | waited | processing thread CPU |")
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
         med["forward"] -= base["forward"]
         med["backward"] -= base["backward"]
         own = sum(med[f] for f in PARTS)
-        print(f"| {label} | {kind} ({got[0]['n']}) | {ms(med['begin'])} | {med['forward'] * 1e3:+.3f} | "
+        print(f"| {label} | {kind} ({got[0]['n']}) | {ms(med['begin'])} | "
+              f"{med['forward'] * 1e3:+.3f} | "
               f"{med['backward'] * 1e3:+.3f} | {ms(med['observe_loss'])} | "
               f"{ms(med['optimizer taps'])} | {ms(med['end'])} | {own * 1e3:.3f} | "
               f"{ms(med['cpu'])} | {(med['cpu'] - base['cpu']) * 1e3:+.3f} | "

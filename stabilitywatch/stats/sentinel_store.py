@@ -24,6 +24,10 @@ class _DevSentinel:
         self.device = device
         self.out = torch.zeros(rows, COLS, dtype=DTYPE, device=device)
         self.pool: list[torch.Tensor] = []
+        self.events: list = []    # CUDA events of read steps, recorded again
+
+    def event(self):
+        return self.events.pop() if self.events else torch.cuda.Event()
 
     def host(self) -> torch.Tensor:
         if self.pool:
@@ -68,7 +72,7 @@ class SentinelStore:
         self._plan: Optional[_Plan] = None
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
-        self._flag_pool: list[torch.Tensor] = []  # pinned host floats for the flag, reused
+        self._flag_pool: list[tuple] = []  # (pinned host float, event) for the flag, reused
         self.launches = 0                        # steps written (tests, benchmarks)
         self.again = 0                           # of which by write_again
         self.guarded = False                     # set by the guard for the step in flight
@@ -158,7 +162,7 @@ class SentinelStore:
             host = d.host()
             if d.device.type == "cuda":
                 host.copy_(d.out, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = d.event()
                 ev.record(torch.cuda.current_stream(d.device))
             else:
                 host.copy_(d.out)
@@ -169,10 +173,9 @@ class SentinelStore:
             f = self._flag.detach().reshape(1).to(torch.float32)
             if f.is_cuda:
                 # a pinned allocation of its own each step would block the host (cudaHostAlloc)
-                h = (self._flag_pool.pop() if self._flag_pool
-                     else torch.empty(1, dtype=torch.float32, pin_memory=True))
+                h, ev = (self._flag_pool.pop() if self._flag_pool else
+                         (torch.empty(1, dtype=torch.float32, pin_memory=True), torch.cuda.Event()))
                 h.copy_(f, non_blocking=True)
-                ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(f.device))
                 flag = (h, ev)
             else:
@@ -185,7 +188,9 @@ class SentinelStore:
     # -- off the hot path ----------------------------------------------------------------------
     def frame(self, p: SentinelPending) -> SentinelFrame:
         total = np.zeros((len(self.keys), COLS))
-        for d, host, _ in p.copies:
+        for d, host, ev in p.copies:
+            if ev is not None:   # completed: recorded again by a later step
+                d.events.append(ev)
             vals = host.numpy()[: len(self.keys)]   # sync-ok: the copy has landed
             total[:, 0] += vals[:, 0]
             total[:, 1] = np.maximum(total[:, 1], vals[:, 1])
@@ -196,7 +201,7 @@ class SentinelStore:
         order = self.order if self.order is not None else list(range(len(self.keys)))
         code = None if p.flag is None else float(p.flag[0].numpy()[0])   # sync-ok: landed
         if p.flag is not None and p.flag[1] is not None:
-            self._flag_pool.append(p.flag[0])
+            self._flag_pool.append(p.flag)
         f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
