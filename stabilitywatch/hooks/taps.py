@@ -3,7 +3,9 @@ gradients of outputs (tensor hooks registered in the forward hook), parameters, 
 gradients after accumulation, and optimizer state after optimizer.step().
 
 Every hook body is guarded: an exception switches that tap off with one warning and training
-goes on. All handles are kept and removed by `detach()`; no tensor is kept beyond the call.
+goes on. All handles are kept and removed by `detach()`; no tensor is kept beyond the call. In
+eager mode the forward hooks are registered only while steps read a forward role (`set_forward`,
+at each step start); on a compiled model they stay registered.
 """
 from __future__ import annotations
 
