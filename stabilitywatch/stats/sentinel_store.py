@@ -73,6 +73,7 @@ class SentinelStore:
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
         self._flag_pool: list[tuple] = []  # (pinned host float, event) for the flag, reused
+        self._ordered: Optional[tuple] = None    # (order, keys, index array, keys in order)
         self.launches = 0                        # steps written (tests, benchmarks)
         self.again = 0                           # of which by write_again
         self.guarded = False                     # set by the guard for the step in flight
@@ -198,11 +199,11 @@ class SentinelStore:
             total[:, 3] += vals[:, 3]
             if host.shape == d.out.shape:
                 d.pool.append(host)
-        order = self.order if self.order is not None else list(range(len(self.keys)))
+        order, keys = self._in_order()
         code = None if p.flag is None else float(p.flag[0].numpy()[0])   # sync-ok: landed
         if p.flag is not None and p.flag[1] is not None:
             self._flag_pool.append(p.flag)
-        f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
+        f = SentinelFrame(step=p.step, keys=list(keys),
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
                           nan=total[order, 3], numel=p.numel[order],
@@ -212,6 +213,16 @@ class SentinelStore:
         f.skipped = p.guarded and f.tripped
         self._read = self._read[-255:] + [f]
         return f
+
+    def _in_order(self) -> tuple[np.ndarray, list]:
+        """The rows' order as an index array and the keys in it, made again only when the order
+        or the keys change (indexing with a list converts it on every call, every step)."""
+        got = self._ordered
+        if got is None or got[0] is not self.order or got[1] is not self.keys:
+            order = self.order if self.order is not None else range(len(self.keys))
+            idx = np.asarray(list(order), dtype=np.int64)
+            got = self._ordered = (self.order, self.keys, idx, [self.keys[i] for i in idx])
+        return got[2], got[3]
 
     def drain_read(self) -> list:
         """The sentinels read since the last call, in step order."""
