@@ -35,7 +35,7 @@ from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
-from .hooks.taps import Taps, _eager
+from .hooks.taps import FORWARD_ROLES, Taps, _eager, compiled_model
 from .incidents import CAUSES, Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .kernels.backend import kernel_backend
@@ -128,6 +128,7 @@ class Monitor:
                                              and not self.extras.running),
                                     self.dist.local, optimizer=optimizer is not None)
         self.taps.sentinel = self.sentinel
+        self.taps.keep_forward = compiled_model(model)
         if config.update.stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
             self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
                                          self.dist.local)
@@ -308,6 +309,9 @@ class Monitor:
         self._boundary()
         self._step = step
         self._on = self.schedule.roles_at(step)
+        # compiled code wrote rows last step: it traced the forward hooks, which stay
+        self.taps.keep_forward = self.taps.keep_forward or self.buffer.untracked
+        self.taps.set_forward(bool(self._on & FORWARD_ROLES))
         self.buffer.begin_step(step)
         self.sentinel.begin()
         self.inplace.begin(batch)

@@ -19,15 +19,14 @@ tensors changes (the optimizer creates its state on the first step).
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from .policy import SnapshotTarget
+from .rng import RngStates
 from .staging import CHUNK, Gather, HostBuffers
 
 log = logging.getLogger("stabilitywatch")
@@ -107,6 +106,7 @@ class Snapshotter:
         self.slots = [Slot() for _ in range(ring)]
         self.skipped = 0          # snapshots not taken because every slot was still held
         self.disabled = False
+        self._rng = RngStates()
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._buffer_names = {n for n, _ in model.named_buffers()}
         self._streams: dict[torch.device, Any] = {}
@@ -150,7 +150,7 @@ class Snapshotter:
             return None
         # param groups can change between steps (LR schedules): copy their values now
         slot.optim_meta = meta
-        slot.rng = _rng_states()
+        slot.rng = self._rng.read()
         slot.batch, slot.step, slot.seq = batch, step, seq
         return slot
 
@@ -283,12 +283,3 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     except Exception:
         for d, s in zip(dst, src):
             d.copy_(s, non_blocking=True)
-
-
-def _rng_states() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(),
-          "torch": torch.get_rng_state()}
-    # only when CUDA is already in use: querying it would otherwise initialise a context
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st

@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .snapshot import _model_tensors, _optim_tensors, _plain, _rng_states
+from .rng import RngStates
+from .snapshot import _model_tensors, _optim_tensors, _plain
 
 HOST_FRACTION = 0.25   # of physical host memory, at most, for the one copy of a bundle's state
 RING = 16              # steps whose batch and RNG states are held while their frame is unread
@@ -40,15 +41,19 @@ class StepRing:
     def __init__(self, optimizer: Optional[torch.optim.Optimizer], size: int = RING):
         self.optimizer, self.size = optimizer, size
         self.records: list[StepRecord] = []
+        self.rng = RngStates()
 
     def add(self, step: int, seq: int, batch: Any) -> None:
         """At the step start (hot path: host work only, no tensor copy, no sync)."""
         hyper = None
         if self.optimizer is not None:   # an LR schedule changes these between steps
-            hyper = [{k: _plain(v) for k, v in g.items() if k != "params"}
+            # values kept as they are (made JSON-able when a bundle is written, with_hyper),
+            # but what can change in place: a tensor (lr on the device), a list
+            hyper = [{k: _plain(v) if isinstance(v, (torch.Tensor, list)) else v
+                      for k, v in g.items() if k != "params"}
                      for g in self.optimizer.param_groups]
         self.records = self.records[-(self.size - 1):] + [
-            StepRecord(step, seq, batch, _rng_states(), hyper)]
+            StepRecord(step, seq, batch, self.rng.read(), hyper)]
 
     def find(self, step: int) -> Optional[StepRecord]:
         return next((r for r in reversed(self.records) if r.step == step), None)
@@ -115,7 +120,8 @@ def with_hyper(meta: Optional[dict], hyper: Optional[list]) -> Optional[dict]:
     """Optimizer metadata with the param groups' hyper-parameters of the step's start."""
     if meta is None or hyper is None or len(hyper) != len(meta.get("param_groups", ())):
         return meta
-    groups = [{**h, "params": g["params"]} for g, h in zip(meta["param_groups"], hyper)]
+    groups = [{**{k: _plain(v) for k, v in h.items()}, "params": g["params"]}
+              for g, h in zip(meta["param_groups"], hyper)]
     return {**meta, "param_groups": groups}
 
 

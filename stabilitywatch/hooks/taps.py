@@ -3,7 +3,9 @@ gradients of outputs (tensor hooks registered in the forward hook), parameters, 
 gradients after accumulation, and optimizer state after optimizer.step().
 
 Every hook body is guarded: an exception switches that tap off with one warning and training
-goes on. All handles are kept and removed by `detach()`; no tensor is kept beyond the call.
+goes on. All handles are kept and removed by `detach()`; no tensor is kept beyond the call. In
+eager mode the forward hooks are registered only while steps read a forward role (`set_forward`,
+at each step start); on a compiled model they stay registered.
 """
 from __future__ import annotations
 
@@ -35,6 +37,19 @@ def _compiling() -> bool:
     return bool(_is_compiling())
 
 
+def compiled_model(model: nn.Module) -> bool:
+    """True for a torch.compile wrapper, or a model with a module compiled in place
+    (`Module.compile()`)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:   # a torch without dynamo
+        return False
+    return isinstance(model, OptimizedModule) or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+FORWARD_ROLES = frozenset({Role.OUTPUT, Role.INPUT, Role.GRAD_OUTPUT})
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -64,6 +79,15 @@ class Taps:
         self.traced = traced
         self.handles: list = []
         self._failed: set[str] = set()
+        # the forward hooks, made once; in eager mode they are registered only for steps that
+        # read a forward role (set_forward): a module with a forward hook, even one that returns
+        # at once, leaves nn.Module's fast call path (~3-5 us per module call)
+        self._forward = [(mod, self._forward_hook(name)) for name, mod in modules]
+        self._forward_handles: list = []
+        self._before: list[set] = []          # per module: its hook ids at attach time
+        # set once compiled code may have traced the hooks: they then stay registered (adding
+        # and removing them would change what dynamo guards on, a recompile each time)
+        self.keep_forward = False
         # the every-step gradient sentinel (hooks/sentinel.py), set by the Monitor
         self.sentinel = None
         # the optimizer's update dW on sampled steps (hooks/update.py), set by the Monitor
@@ -89,8 +113,8 @@ class Taps:
         try:
             if self.sentinel is not None:
                 self.sentinel.attach()
-            for name, mod in self.modules:
-                self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
+            self._before = [set(mod._forward_hooks) for mod, _ in self._forward]
+            self._attach_forward()
             if self.optimizer is not None:
                 self.handles.append(self.optimizer.register_step_pre_hook(self._grads_before_step))
                 self.handles.append(self.optimizer.register_step_post_hook(self._optim_state))
@@ -106,11 +130,47 @@ class Taps:
     def detach(self) -> None:
         if self.sentinel is not None:
             self.sentinel.detach()
+        self._detach_forward()
         while self.handles:
             h = self.handles.pop()
             try:
                 h.remove()
             except Exception as e:  # never let cleanup hide the user's own exception
+                log.warning("stabilitywatch: could not remove a hook (%s)", e)
+
+    def set_forward(self, reads: bool) -> None:
+        """At a step start: the forward hooks registered when the step reads a forward role
+        (or compiled code may run them), removed otherwise. Never raises: a failure keeps the
+        hooks as they are, with one warning."""
+        want = reads or self.keep_forward
+        if want == bool(self._forward_handles):
+            return
+        try:
+            if want:
+                self._attach_forward()
+            else:
+                self._detach_forward()
+        except Exception as e:
+            self.keep_forward = True
+            log.warning("stabilitywatch: re-registering the forward hooks failed (%s: %s); they "
+                        "stay as they are", type(e).__name__, e)
+
+    def _attach_forward(self) -> None:
+        for (mod, fn), before in zip(self._forward, self._before):
+            h = mod.register_forward_hook(fn)
+            self._forward_handles.append(h)
+            hooks = mod._forward_hooks
+            if len(hooks) > len(before) + 1:
+                # hooks the user registered after watch() keep running after the monitor's
+                for k in [k for k in hooks if k not in before and k != h.id]:
+                    hooks.move_to_end(k)
+
+    def _detach_forward(self) -> None:
+        while self._forward_handles:
+            h = self._forward_handles.pop()
+            try:
+                h.remove()
+            except Exception as e:
                 log.warning("stabilitywatch: could not remove a hook (%s)", e)
 
     # -- guarded execution -----------------------------------------------------------------

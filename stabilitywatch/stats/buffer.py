@@ -219,6 +219,11 @@ class StatsBuffer:
         """Steps ended whose frames have not been read yet."""
         return len(self._pending)
 
+    @property
+    def untracked(self) -> bool:
+        """True when compiled code may have written rows without the host's bookkeeping."""
+        return self._untracked
+
     def last_pending(self):
         """The latest step ended and not read yet (its copies and events), or None."""
         return self._pending[-1] if self._pending else None
@@ -232,7 +237,8 @@ class StatsBuffer:
             p = self._pending[0]
             if not block and not p.ready():
                 break
-            p.wait()
+            if block:   # a step whose events all completed needs no wait call
+                p.wait()
             self._pending.pop(0)
             sent = self.sentinel.frame(p.sentinel) if p.sentinel is not None else None
             if sent is not None:

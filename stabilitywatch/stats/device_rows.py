@@ -16,6 +16,7 @@ class DeviceRows:
         self.scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=device)
         self.init = init_row_tensor(device, capacity)
         self.pinned_pool: list[torch.Tensor] = []
+        self.events: list = []   # CUDA events of read steps, recorded again (none made per step)
         # rows [lo, hi) may hold writes since their last reset; the rest hold the identity row
         self.dirty = (0, 0)
 
@@ -42,6 +43,9 @@ class DeviceRows:
         self.views = rows.unbind(0)
         self.init = init_row_tensor(self.device, capacity)
         self.pinned_pool.clear()
+
+    def event(self):
+        return self.events.pop() if self.events else torch.cuda.Event()
 
     def host_buffer(self) -> torch.Tensor:
         if self.pinned_pool:

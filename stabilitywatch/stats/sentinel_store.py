@@ -24,6 +24,10 @@ class _DevSentinel:
         self.device = device
         self.out = torch.zeros(rows, COLS, dtype=DTYPE, device=device)
         self.pool: list[torch.Tensor] = []
+        self.events: list = []    # CUDA events of read steps, recorded again
+
+    def event(self):
+        return self.events.pop() if self.events else torch.cuda.Event()
 
     def host(self) -> torch.Tensor:
         if self.pool:
@@ -68,7 +72,8 @@ class SentinelStore:
         self._plan: Optional[_Plan] = None
         self._present: Optional[np.ndarray] = None
         self._flag: Optional[torch.Tensor] = None
-        self._flag_pool: list[torch.Tensor] = []  # pinned host floats for the flags, reused
+        self._flag_pool: list[tuple] = []  # (pinned host floats, event) for the flags, reused
+        self._ordered: Optional[tuple] = None    # (order, keys, index array, keys in order)
         self.launches = 0                        # steps written (tests, benchmarks)
         self.again = 0                           # of which by write_again
         self.guarded = False                     # set by the guard for the step in flight
@@ -167,7 +172,7 @@ class SentinelStore:
             host = d.host()
             if d.device.type == "cuda":
                 host.copy_(d.out, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = d.event()
                 ev.record(torch.cuda.current_stream(d.device))
             else:
                 host.copy_(d.out)
@@ -179,10 +184,10 @@ class SentinelStore:
             if f.is_cuda:
                 # a pinned allocation of its own each step would block the host (cudaHostAlloc)
                 pool = self._flag_pool
-                h = (pool.pop() if pool and pool[-1].shape == f.shape
-                     else torch.empty(f.shape, dtype=torch.float32, pin_memory=True))
+                h, ev = (pool.pop() if pool and pool[-1][0].shape == f.shape else
+                         (torch.empty(f.shape, dtype=torch.float32, pin_memory=True),
+                          torch.cuda.Event()))
                 h.copy_(f, non_blocking=True)
-                ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(f.device))
                 flag = (h, ev)
             else:
@@ -195,7 +200,9 @@ class SentinelStore:
     # -- off the hot path ----------------------------------------------------------------------
     def frame(self, p: SentinelPending) -> SentinelFrame:
         total = np.zeros((len(self.keys), COLS))
-        for d, host, _ in p.copies:
+        for d, host, ev in p.copies:
+            if ev is not None:   # completed: recorded again by a later step
+                d.events.append(ev)
             vals = host.numpy()[: len(self.keys)]   # sync-ok: the copy has landed
             total[:, 0] += vals[:, 0]
             total[:, 1] = np.maximum(total[:, 1], vals[:, 1])
@@ -203,12 +210,12 @@ class SentinelStore:
             total[:, 3] += vals[:, 3]
             if host.shape == d.out.shape:
                 d.pool.append(host)
-        order = self.order if self.order is not None else list(range(len(self.keys)))
+        order, keys = self._in_order()
         flags = None if p.flag is None else p.flag[0].numpy().copy()   # sync-ok: landed
         code = None if flags is None else float(flags[0])
         if p.flag is not None and p.flag[1] is not None:
-            self._flag_pool = self._flag_pool[-3:] + [p.flag[0]]
-        f = SentinelFrame(step=p.step, keys=[self.keys[i] for i in order],
+            self._flag_pool = self._flag_pool[-3:] + [p.flag]
+        f = SentinelFrame(step=p.step, keys=list(keys),
                           nonfinite=total[order, 0], absmax=total[order, 1],
                           sumsq=total[order, 2], present=p.present[order],
                           nan=total[order, 3], numel=p.numel[order],
@@ -220,6 +227,16 @@ class SentinelStore:
         f.skipped = p.guarded and f.tripped
         self._read = self._read[-255:] + [f]
         return f
+
+    def _in_order(self) -> tuple[np.ndarray, list]:
+        """The rows' order as an index array and the keys in it, made again only when the order
+        or the keys change (indexing with a list converts it on every call, every step)."""
+        got = self._ordered
+        if got is None or got[0] is not self.order or got[1] is not self.keys:
+            order = self.order if self.order is not None else range(len(self.keys))
+            idx = np.asarray(list(order), dtype=np.int64)
+            got = self._ordered = (self.order, self.keys, idx, [self.keys[i] for i in idx])
+        return got[2], got[3]
 
     def drain_read(self) -> list:
         """The sentinels read since the last call, in step order."""

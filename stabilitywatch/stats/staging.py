@@ -50,7 +50,7 @@ def start_copies(devs, spans: Optional[dict]) -> list:
         both = torch.cat([dev.rows[lo:hi], dev.scale[lo:hi]], 1)
         if dev.device.type == "cuda":
             host[lo:hi].copy_(both, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = dev.event()
             ev.record(torch.cuda.current_stream(dev.device))
         else:
             host[lo:hi].copy_(both)
@@ -72,9 +72,11 @@ def read_frame(p: Pending, slots: SlotTable, sentinel: Optional[SentinelFrame], 
         rows.append(host[slot, :N_STATS])
         scales.append(float(host[slot, N_STATS]) if slot in slots.tensor_scaled
                       else slots.scales[slot])
-    for dev, host, _ in p.copies:
+    for dev, host, ev in p.copies:
         if host.shape[0] == dev.rows.shape[0]:
             dev.pinned_pool.append(host)
+        if ev is not None:   # completed: the step was read
+            dev.events.append(ev)
     table = np.array(rows, dtype=np.float64).reshape(len(rows), N_STATS)
     return StatsFrame(step=p.step, keys=[slots.keys[s] for _, s in keep], rows=table,
                       scales=scales, phases=[ph for ph, _ in keep], rank=rank,
