@@ -12,6 +12,7 @@ jsonl,wandb,tensorboard`.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -30,6 +31,7 @@ from stabilitywatch.kernels.dispatch import compute_row
 from stabilitywatch.sinks import SinkRunner, jsonl
 from stabilitywatch.sinks.factory import make_sinks
 from stabilitywatch.stats.buffer import Phase, StatsFrame
+from stabilitywatch.stats.sentinel import SentinelFrame
 
 ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
          "optim.exp_avg_sq"]
@@ -47,39 +49,99 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.latency = [n for n in a.latency.split(",") if n]
     dims = (256, 64, 2, 4, 32) if a.smoke else (50304, 768, 12, 12, 1024)
-    frames = 3 if a.smoke else a.frames
-    model = TinyGPT(*dims)  # never run: only its module names matter
+    frames = 4 if a.smoke else a.frames
+    model = TinyGPT(*dims)  # never run: only its module and parameter names matter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # the physics detector judges weights
     rng = np.random.default_rng(0)
     row = compute_row(torch.randn(4096)).numpy()
+    loss_row = compute_row(torch.tensor([3.0])).numpy()
     with tempfile.TemporaryDirectory() as tmp:
         sinks = () if a.sinks == "none" else ("jsonl",)
-        mon = sw.watch(model, config=sw.Config(sinks=sinks), run_dir=tmp)
+        mon = sw.watch(model, optimizer=opt, config=sw.Config(sinks=sinks), run_dir=tmp)
         keys = [(n, r) for n, _ in mon.modules for r in ROLES]
-        times = []
+        grads = list(mon.sentinel.keys)
+        stages = collections.defaultdict(list)   # label -> [(frame kind, ms)]
+        now = {"kind": None}
+        _time_stages(mon, stages, now)
+        times = {"sampled": [], "unsampled": []}
         for i in range(frames):
-            rows = np.tile(row, (len(keys), 1)) * (1 + 0.01 * rng.random((len(keys), 1)))
-            frame = StatsFrame(step=10 * i, keys=keys, rows=rows, scales=[1.0] * len(keys),
-                               phases=[Phase.FORWARD] * len(keys))
-            t0 = time.perf_counter()
-            mon._handle(frame)
-            times.append((time.perf_counter() - t0) * 1e3)
-        records = mon._records(frame)
+            for kind in ("sampled",) + ("unsampled",) * 9:   # the default cadence: 1 step in 10
+                step = len(times["sampled"]) + len(times["unsampled"])
+                frame = (_sampled(step, keys, row, loss_row, grads, rng) if kind == "sampled"
+                         else _unsampled(step, loss_row, grads, rng))
+                now["kind"] = kind
+                t0 = time.thread_time()
+                mon._handle(frame)
+                times[kind].append((time.thread_time() - t0) * 1e3)
+        sampled_frame = _sampled(0, keys, row, loss_row, grads, rng)
+        records = mon._records(sampled_frame)
         mon.close()
-    steady = times[len(times) // 2:]  # once the detectors' windows are full
-    print(f"| rows per frame | frames | sinks | ms per frame (median, second half) |\n"
-          f"|---:|---:|---|---:|\n| {len(keys)} | {frames} | {a.sinks} | "
-          f"{statistics.median(steady):.1f} |")
+    print(f"| frame | rows | sentinel gradients | frames | sinks | CPU ms per frame (median, "
+          f"second half) |\n|---|---:|---:|---:|---|---:|")
+    for kind, rows_n in (("sampled", len(keys) + 1), ("unsampled", 1)):
+        steady = times[kind][len(times[kind]) // 2:]  # once the detectors' windows are full
+        print(f"| {kind} | {rows_n} | {len(grads)} | {len(times[kind])} | {a.sinks} | "
+              f"{statistics.median(steady):.3f} |")
+    print("\n| stage | sampled frame, CPU ms (median, second half) | unsampled frame |\n"
+          "|---|---:|---:|")
+    for label, v in stages.items():
+        cols = []
+        for kind in ("sampled", "unsampled"):
+            got = [t for k, t in v if k == kind]
+            got = got[len(got) // 2:]
+            cols.append(f"{statistics.median(got):.3f}" if got else "")
+        print(f"| {label} | {cols[0]} | {cols[1]} |")
     # what the JSONL sink's thread spends per frame (holding the GIL), column-wise as it does,
-    # and value by value as it did
+    # and value by value
     for name, fn in (("column-wise", lambda: jsonl.encode_records(records)),
                      ("value by value", lambda: "".join(jsonl._dumps(jsonl._clean_record(r)) + "\n"
                                                         for r in records))):
         best = min(timeit.repeat(fn, number=3, repeat=7)) / 3  # the least disturbed run
-        print(f"JSONL encoding of one frame, {name}: {best * 1e3:.1f} ms (min of 7 x 3)")
+        print(f"JSONL encoding of one sampled frame, {name}: {best * 1e3:.2f} ms (min of 7 x 3)")
     if not a.smoke:
         for name in a.latency:
             print(op_latency(records, name))
     return 0
+
+
+def _sampled(step, keys, row, loss_row, grads, rng) -> StatsFrame:
+    # a clean run: activations, gradients and optimizer state vary, weights stay put (a weight
+    # that moves more than its optimizer allows is the physics detector's critical alert)
+    jitter = 1 + 0.01 * rng.random((len(keys), 1))
+    jitter[[i for i, (_, r) in enumerate(keys) if r in ("weight", "bias")]] = 1.0
+    rows = np.tile(row, (len(keys), 1)) * jitter
+    rows = np.vstack([rows, loss_row * (1 + 0.01 * rng.random())])
+    return StatsFrame(step=step, keys=keys + [("", "loss")], rows=rows,
+                      scales=[1.0] * (len(keys) + 1),
+                      phases=[Phase.FORWARD] * len(keys) + [Phase.LOSS],
+                      sentinel=_sentinel(step, grads, rng))
+
+
+def _unsampled(step, loss_row, grads, rng) -> StatsFrame:
+    return StatsFrame(step=step, keys=[("", "loss")],
+                      rows=(loss_row * (1 + 0.01 * rng.random()))[None, :], scales=[1.0],
+                      phases=[Phase.LOSS], sentinel=_sentinel(step, grads, rng))
+
+
+def _sentinel(step, grads, rng) -> SentinelFrame:
+    n = len(grads)
+    return SentinelFrame(step=step, keys=grads, nonfinite=np.zeros(n), absmax=rng.random(n),
+                         sumsq=rng.random(n), present=np.ones(n, dtype=bool), nan=np.zeros(n),
+                         numel=np.full(n, 4096.0))
+
+
+def _time_stages(mon, out: dict, now: dict) -> None:
+    """Each stage's CPU time (time.thread_time), by stage label and kind of frame."""
+    stage = mon.processor.stage
+
+    def timed(label, fn, *args, **kw):
+        t0 = time.thread_time()
+        try:
+            return stage(label, fn, *args, **kw)
+        finally:
+            out[label].append((now["kind"], (time.thread_time() - t0) * 1e3))
+
+    mon.processor.stage = timed
 
 
 def op_latency(records: list, sink: str = "jsonl") -> str:
