@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .detectors.update import ratio_plan, update_records
-from .shadow.metrics import shadow_records
+from .shadow.metrics import shadow_plan, shadow_records
 from .stats.frame import PerRowSet, StatsFrame
 from .stats.layout import Stat
 
@@ -23,6 +23,7 @@ class FrameRecords:
     def __init__(self):
         self._grads = PerRowSet(_grad_rows)
         self._updates = PerRowSet(ratio_plan)
+        self._shadows = PerRowSet(shadow_plan)
 
     def __call__(self, frame: StatsFrame, base: dict) -> list[dict]:
         """base: the fields every record of the frame carries (schema, step, rank...)."""
@@ -40,7 +41,7 @@ class FrameRecords:
                 if not grad_sq and frame.world_size > 1:
                     norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
             recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
-        return (recs + shadow_records(frame, base)
+        return (recs + shadow_records(frame, base, self._shadows(frame))
                 + update_records(frame, base, self._updates(frame)))
 
 
