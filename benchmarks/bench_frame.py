@@ -1,7 +1,10 @@
-"""Host time to process one step's frame (derived values, detectors, records for the sinks) for
-the row set of a GPT-2-small-shaped model (76 watched modules x 8 roles = 608 rows), without
-running the model: this work runs on the frame processing thread (stabilitywatch/processing.py;
-the training thread with Config(processing="inline")).
+"""CPU time to process one step's frame (derived values, detectors, records for the sinks) on the
+frame processing thread (stabilitywatch/processing.py), for the row set of a GPT-2-small-shaped
+model without running the model: sampled frames (76 watched modules x 8 roles = 608 rows, the
+loss, the sentinel of its 149 parameter gradients) and unsampled ones (the loss and the
+sentinel), nine of them after each sampled one as with the default cadence; per frame and per
+stage (each detector, the incidents, the capture decision, the records), the processing
+thread's own CPU time (time.thread_time).
 
     python benchmarks/bench_frame.py [--frames 30] [--sinks jsonl|none] [--smoke]
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -62,7 +66,18 @@ def main(argv=None) -> int:
         grads = list(mon.sentinel.keys)
         stages = collections.defaultdict(list)   # label -> [(frame kind, ms)]
         now = {"kind": None}
-        _time_stages(mon, stages, now)
+        _time_stages(mon, now)
+        handle = mon._handle
+
+        def timed_handle(frame):   # the processing thread's own CPU time for the frame
+            now["acc"] = collections.defaultdict(float)
+            t0 = time.thread_time()
+            handle(frame)
+            now["ms"] = (time.thread_time() - t0) * 1e3
+            for label, ms in now["acc"].items():   # two detectors may share a name: summed
+                stages[label].append((now["kind"], ms))
+
+        mon._handle = timed_handle
         times = {"sampled": [], "unsampled": []}
         for i in range(frames):
             for kind in ("sampled",) + ("unsampled",) * 9:   # the default cadence: 1 step in 10
@@ -70,9 +85,9 @@ def main(argv=None) -> int:
                 frame = (_sampled(step, keys, row, loss_row, grads, rng) if kind == "sampled"
                          else _unsampled(step, loss_row, grads, rng))
                 now["kind"] = kind
-                t0 = time.thread_time()
-                mon._handle(frame)
-                times[kind].append((time.thread_time() - t0) * 1e3)
+                mon.processor.submit([frame])   # on the processing thread, as in training
+                mon.processor.wait_all()
+                times[kind].append(now.pop("ms"))
         sampled_frame = _sampled(0, keys, row, loss_row, grads, rng)
         records = mon._records(sampled_frame)
         mon.close()
@@ -91,13 +106,20 @@ def main(argv=None) -> int:
             got = got[len(got) // 2:]
             cols.append(f"{statistics.median(got):.3f}" if got else "")
         print(f"| {label} | {cols[0]} | {cols[1]} |")
-    # what the JSONL sink's thread spends per frame (holding the GIL), column-wise as it does,
-    # and value by value
+    # the JSONL sink's own thread per frame (holding the GIL): the records as parts for its
+    # writer process, pickled for the pipe; then what the writer process spends encoding them,
+    # column-wise as it does, and value by value
+    send = min(timeit.repeat(lambda: pickle.dumps(("lines", jsonl.to_parts(records)),
+                                                  protocol=pickle.HIGHEST_PROTOCOL),
+                             number=3, repeat=7)) / 3
+    print(f"JSONL sink's thread per sampled frame (parts for the writer process, pickled): "
+          f"{send * 1e3:.2f} ms (min of 7 x 3)")
     for name, fn in (("column-wise", lambda: jsonl.encode_records(records)),
                      ("value by value", lambda: "".join(jsonl._dumps(jsonl._clean_record(r)) + "\n"
                                                         for r in records))):
         best = min(timeit.repeat(fn, number=3, repeat=7)) / 3  # the least disturbed run
-        print(f"JSONL encoding of one sampled frame, {name}: {best * 1e3:.2f} ms (min of 7 x 3)")
+        print(f"JSONL writer process, encoding one sampled frame {name}: {best * 1e3:.2f} ms "
+              f"(min of 7 x 3)")
     if not a.smoke:
         for name in a.latency:
             print(op_latency(records, name))
@@ -130,8 +152,8 @@ def _sentinel(step, grads, rng) -> SentinelFrame:
                          numel=np.full(n, 4096.0))
 
 
-def _time_stages(mon, out: dict, now: dict) -> None:
-    """Each stage's CPU time (time.thread_time), by stage label and kind of frame."""
+def _time_stages(mon, now: dict) -> None:
+    """Each stage's CPU time (time.thread_time) in the frame in progress, by stage label."""
     stage = mon.processor.stage
 
     def timed(label, fn, *args, **kw):
@@ -139,7 +161,7 @@ def _time_stages(mon, out: dict, now: dict) -> None:
         try:
             return stage(label, fn, *args, **kw)
         finally:
-            out[label].append((now["kind"], (time.thread_time() - t0) * 1e3))
+            now["acc"][label] += (time.thread_time() - t0) * 1e3
 
     mon.processor.stage = timed
 

@@ -19,7 +19,7 @@ from stabilitywatch.detectors.series import Rings, Window
 from stabilitywatch.formats import ROW_FORMATS
 from stabilitywatch.records import FrameRecords
 from stabilitywatch.stats.buffer import Phase, StatsFrame
-from stabilitywatch.stats.derive import derive_table
+from stabilitywatch.stats.derive import NAMES, derive_table
 from stabilitywatch.stats.frame import PerRowSet
 from stabilitywatch.stats.layout import FMT_BASE, N_STATS, Stat, init_row
 from stabilitywatch.stats.sentinel import SentinelFrame
@@ -192,8 +192,8 @@ def test_small_frames_derive_the_same_numbers_as_columns():
     for i, (r, s) in enumerate(zip(rows, scales)):
         one, none, _ = derive_table(r[None, :], [s])
         assert none is None   # the scalar path
-        assert list(one) == list(many)
-        for k in many:
+        assert list(one) == list(NAMES)
+        for k in NAMES:
             assert repr(one[k][0]) == repr(many[k][i]), (k, i, one[k][0], many[k][i])
 
 

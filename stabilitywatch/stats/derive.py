@@ -36,17 +36,18 @@ SMALL = 2   # frames of at most this many rows (the loss alone) take the scalar 
 
 
 def derive_table(rows: np.ndarray, scales) -> tuple[dict, Optional[dict], np.ndarray]:
-    """(table, arrays, hists): the named values of every row as columns (name -> list of
-    Python floats, one per row), the same columns as numpy arrays (None for a frame of at most
+    """(table, arrays, hists): the named values of every row as columns (a `Columns`: name ->
+    list of Python floats, one per row, each made on first read), the same columns as numpy
+    arrays (None for a frame of at most
     SMALL rows, whose values are worked out one by one: ~60 numpy calls on a single row cost
     more than the loss row's whole frame may), and the rows' exponent histograms (read-only)."""
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_STATS)
     scale = effective_scales(scales).reshape(-1)
     if rows.shape[0] <= SMALL:
-        table, arrays = _derive_scalar(rows, scale), None
+        table, arrays = Columns(_derive_scalar(rows, scale)), None
     else:
         arrays = _derive_arrays(rows, scale)
-        table = {k: c.tolist() for k, c in arrays.items()}  # sync-ok: host numpy arrays
+        table = Columns(None, arrays)
     hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
     hists.flags.writeable = False
     return table, arrays, hists
@@ -103,7 +104,7 @@ def _sqrt(v: float) -> float:
 def _derive_scalar(rows: np.ndarray, scales: np.ndarray) -> dict[str, list]:
     """_derive_arrays, value by value, with the same float64 operations in the same order (so
     the same results; log2 is numpy's, whose results differ from math.log2's in the last bit)."""
-    names = list(COUNT_KEYS) + _NAMES
+    names = NAMES
     table: dict[str, list] = {k: [] for k in names}
     nan = math.nan
     for r, scale in zip(rows.tolist(), scales.tolist()):   # sync-ok: host numpy arrays
@@ -141,10 +142,37 @@ def _derive_scalar(rows: np.ndarray, scales: np.ndarray) -> dict[str, list]:
     return table
 
 
-_NAMES = ["finite", "min", "max", "absmax", "absmin_nonzero", "sum", "mean", "std", "rms",
-          "l2norm"] + [f"{f.value}_{k}" for f in ROW_FORMATS
-                       for k in ("overflow", "underflow", "subnormal", "overflow_frac",
-                                 "underflow_frac", "headroom_bits")] + ["dynamic_range_bits"]
+# the derived values' names, in the order records carry them
+NAMES = tuple(COUNT_KEYS) + ("finite", "min", "max", "absmax", "absmin_nonzero", "sum", "mean",
+                             "std", "rms", "l2norm") + tuple(
+    f"{f.value}_{k}" for f in ROW_FORMATS for k in ("overflow", "underflow", "subnormal",
+                                                    "overflow_frac", "underflow_frac",
+                                                    "headroom_bits")) + ("dynamic_range_bits",)
+
+
+class Columns(dict):
+    """name -> list of one value per row, in NAMES order. From column arrays, a list is made
+    (tolist) when first read: a frame's ~22,000 values become Python floats only where a
+    reader needs them (the JSONL sink ships the arrays to its writer process as they are)."""
+
+    __slots__ = ("arrays", "_full")
+
+    def __init__(self, lists: "dict | None" = None, arrays: "dict | None" = None):
+        super().__init__(lists or {})
+        self.arrays = arrays
+        self._full: Optional[dict] = None
+
+    def __missing__(self, key: str) -> list:
+        if self.arrays is None:
+            raise KeyError(key)
+        col = self[key] = self.arrays[key].tolist()  # sync-ok: host numpy arrays
+        return col
+
+    def full(self) -> dict:
+        """Every column, in NAMES order (made once)."""
+        if self._full is None:
+            self._full = {k: self[k] for k in NAMES}
+        return self._full
 
 
 class DerivedRow(Mapping):
@@ -160,10 +188,11 @@ class DerivedRow(Mapping):
         return self._cols[key][self._i]
 
     def __iter__(self):
-        return iter(self._cols)
+        # a Columns table holds the lists read so far; its names are NAMES
+        return iter(NAMES if type(self._cols) is Columns else self._cols)
 
     def __len__(self) -> int:
-        return len(self._cols)
+        return len(NAMES if type(self._cols) is Columns else self._cols)
 
     def column(self, key: str) -> list:
         """This value for every row of the frame (the shared column)."""
@@ -172,7 +201,18 @@ class DerivedRow(Mapping):
     @property
     def table(self) -> dict:
         """The frame's shared columns (name -> list of values, one per row)."""
+        return self._cols.full() if isinstance(self._cols, Columns) else self._cols
+
+    @property
+    def columns(self) -> Mapping:
+        """The frame's shared columns object, as it is (lists made as they are read)."""
         return self._cols
+
+    @property
+    def arrays(self) -> "dict | None":
+        """The frame's shared columns as float64 arrays (None for a frame of at most SMALL
+        rows), read-only."""
+        return self._cols.arrays if isinstance(self._cols, Columns) else None
 
     @property
     def index(self) -> int:
