@@ -76,7 +76,8 @@ class SpikeDetector(Detector):
 
     def _plan(self, keys: tuple) -> tuple:
         mods, groups = grad_rows(keys)
-        return mods, groups, self._layers.rows([(m, "grad") for m in mods])
+        logits = [(j, m, r) for j, (m, r) in enumerate(keys) if r in ("attn_logits", "logz")]
+        return mods, groups, self._layers.rows([(m, "grad") for m in mods]), logits
 
     def _window(self, key) -> Window:
         w = self._win.get(key)
@@ -86,7 +87,7 @@ class SpikeDetector(Detector):
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         out: list[Alert] = []
-        mods, groups, series = self._plans(frame)
+        mods, groups, series, logits = self._plans(frame)
         if mods:
             total, per = grad_norms(frame, groups)
             out += self._grad_spikes(frame, total, mods, per, series)
@@ -98,13 +99,11 @@ class SpikeDetector(Detector):
                 a = self._loss(frame, float(row[Stat.SUM]) / n)
                 if a:
                     out.append(a)
-        for j, (m, r) in enumerate(frame.keys):
+        for j, m, r in logits:
             if r == "attn_logits":
-                a = self._attn(frame, m, frame.derived(j)["absmax"])
-            elif r == "logz":
-                a = self._logz(frame, m, frame.derived(j)["mean"])
+                a = self._attn(frame, m, frame.column("absmax")[j])
             else:
-                continue
+                a = self._logz(frame, m, frame.column("mean")[j])
             if a:
                 out.append(a)
         return out
