@@ -25,7 +25,8 @@ from stabilitywatch.stats.layout import FMT_BASE, N_STATS, Stat, init_row
 from stabilitywatch.stats.sentinel import SentinelFrame
 
 sys.path.insert(0, os.path.dirname(__file__))
-from frame_reference import nonfinite, physics, range as range_, records, shadow, spike, update  # noqa: E402,E501
+from frame_reference import (nonfinite, physics, range as range_, records,  # noqa: E402
+                             shadow, spike, update)
 
 MODS = [f"m{k}" for k in range(6)]
 ROLES = ["output", "grad_output", "weight", "bias", "grad", "grad.bias", "optim.exp_avg",
@@ -201,8 +202,10 @@ def test_row_set_plans_are_made_once_per_set_of_keys():
     built = []
     plans = PerRowSet(lambda keys: built.append(keys) or len(built), size=2)
     a = [("m", "output"), ("m", "grad")]
-    frame = lambda keys: StatsFrame(step=0, keys=list(keys), rows=np.zeros((len(keys), N_STATS)),  # noqa: E731,E501
-                                    scales=[1.0] * len(keys), phases=[0] * len(keys))
+    def frame(keys):
+        return StatsFrame(step=0, keys=list(keys), rows=np.zeros((len(keys), N_STATS)),
+                          scales=[1.0] * len(keys), phases=[0] * len(keys))
+
     assert plans(frame(a)) == plans(frame(a)) == 1
     assert plans(frame(a[:1])) == 2 and plans(frame(a)) == 1
     assert plans(frame(a[1:])) == 3 and len(built) == 3   # a third set: the oldest goes
