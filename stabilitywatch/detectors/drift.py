@@ -78,9 +78,10 @@ class _Rings:
         n = self.count[rows]
         lo, hi = (n - 1) // 2, n // 2
         idx = np.arange(len(rows))
-        s = np.sort(self.vals[rows], axis=1)
+        v = self.vals[rows]
+        s = np.sort(v, axis=1)
         med = (s[idx, lo] + s[idx, hi]) / 2.0
-        d = np.sort(np.abs(self.vals[rows] - med[:, None]), axis=1)
+        d = np.sort(np.abs(v - med[:, None]), axis=1)
         return med, MAD_TO_SIGMA * ((d[idx, lo] + d[idx, hi]) / 2.0)
 
     def push(self, rows: np.ndarray, x: np.ndarray) -> None:

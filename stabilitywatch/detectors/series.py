@@ -139,6 +139,10 @@ class Rings:
         idx = (start[:, None] + np.arange(self.w)) % self.w
         return self.vals[rows[:, None], idx], n
 
+    def median(self, rows: np.ndarray) -> np.ndarray:
+        """Window.noise's median alone (the order of the values does not matter to it)."""
+        return _medians(self.vals[rows], self.count[rows])
+
     def noise(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Window.noise of each row: (median, step-to-step noise)."""
         c, n = self._ordered(rows)

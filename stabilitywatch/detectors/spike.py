@@ -155,12 +155,15 @@ class SpikeDetector(Detector):
         if ok:
             rows, x = series[ok], np.array([math.log2(per[j]) for j in ok])
             ready = np.flatnonzero(self._layers.count[rows] >= cfg.min_history)
-            if len(ready):   # as _jump, for every module at once
-                med, sigma = self._layers.noise(rows[ready])
+            # as _jump, for every module at once; the threshold is at least layer_grad_bits,
+            # so the noise (two more sorts) is worked out only where the jump passes that
+            near = ready[x[ready] - self._layers.median(rows[ready]) > cfg.layer_grad_bits]
+            if len(near):
+                med, sigma = self._layers.noise(rows[near])
                 thr = np.maximum(cfg.z * sigma, cfg.layer_grad_bits)
-                dev = x[ready] - med
+                dev = x[near] - med
                 for k in np.flatnonzero(dev > thr).tolist():  # sync-ok: host numpy
-                    j = ok[int(ready[k])]
+                    j = ok[int(near[k])]
                     layer[mods[j]] = (per[j], (float(dev[k]), float(thr[k]),
                                                2.0 ** float(med[k])))
             self._layers.push(rows, x)
