@@ -22,7 +22,8 @@ class Detector(Protocol):
     `check(frame)` receives a `StatsFrame` (frames arrive in step order, one step later than
     the step ran, on the monitor's host side): `frame.step`, `frame.keys` (the (module, role)
     pairs read this step), `frame.derived(i)` (row i as a mapping of the `tensor_stats` keys),
-    `frame.column(stat)` (one statistic of every row) and `frame.sentinel` (every gradient's
+    `frame.column(stat)` (one statistic of every row; `frame.array(stat)` the same as a numpy
+    array, for a check over the whole frame at once) and `frame.sentinel` (every gradient's
     non-finite count and absmax, or None). It returns a list of `Alert` (empty when all is
     well) and must not keep the frame.
 

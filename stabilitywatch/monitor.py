@@ -42,7 +42,7 @@ from .kernels.backend import kernel_backend
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
 from .processing import Processor
-from .records import frame_records
+from .records import FrameRecords
 from .rundir import fresh_run_dir
 from .schedule import Schedule
 from .sinks.factory import make_sinks
@@ -112,6 +112,7 @@ class Monitor:
                                    threaded=config.processing == "thread",
                                    lag=config.processing_lag, timeout=config.processing_timeout)
         self.incidents = Incidents(config)
+        self._frame_records = FrameRecords()
         # shadow replicas and logits taps (hooks/extra.py); validates its globs before any I/O
         self.extras = ExtraTaps(model, config, self.modules, self._record, self._is_on)
         self._write_manifest()
@@ -504,7 +505,7 @@ class Monitor:
                 "world_size": frame.world_size, **self.dist.record_fields(frame)}
         if self.schedule.escalated(frame.step):
             base["escalated"] = True
-        return frame_records(frame, base)
+        return self._frame_records(frame, base)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

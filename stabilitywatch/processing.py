@@ -29,10 +29,13 @@ Inline (`processing="inline"`: debugging, or a step-by-step reading of `mon.aler
 same stages on the training thread at the step end, with no timeout; posts run at the next
 step start.
 
-The processing thread yields the GIL between stages (`time.sleep(0)`): a training thread
-waiting for the GIL gets it at the end of the stage, or after the interpreter's switch interval
-(5 ms) if that comes first; the stages work on whole frames with numpy (about 6 ms of CPU for
-GPT-2 small's 608 rows, the longest stage, drift, 2.5 ms: benchmarks/bench_frame.py).
+The processing thread yields the GIL (`time.sleep(0)`) at the end of a stage once it has run
+for YIELD_AFTER seconds since its last yield: a training thread waiting for the GIL gets it then,
+or after the interpreter's switch interval (5 ms) if that comes first. A yield is a system call
+that a busy machine answers by running another process first (22 us of CPU and 0.2 ms of wall
+time each on the 2-core CI machine under load), so short stages (a loss-only frame's are a few
+microseconds) do not pay one each. The stages work on whole frames with numpy
+(benchmarks/bench_frame.py: README "Frame processing, off the training thread").
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ log = logging.getLogger("stabilitywatch")
 
 THREAD_NAME = "stabilitywatch-frames"
 IDLE_EXIT = 5.0   # seconds idle after which the thread ends (the next frame starts a new one)
+YIELD_AFTER = 0.0005   # seconds of processing between two yields of the GIL (at stage ends)
 
 
 class _Abandoned(BaseException):
@@ -72,6 +76,7 @@ class Processor:
         self._warned: set = set()
         self._stopped = False
         self._inline_tag = 0
+        self._yielded = 0.0                   # perf_counter at the processing thread's last yield
 
     # -- the training thread's side ------------------------------------------------------------
     def submit(self, frames: list, inline: bool = False) -> None:
@@ -168,7 +173,10 @@ class Processor:
         if memo is not None:
             memo[key] = out
         if mine:
-            time.sleep(0)  # hand the GIL to the training thread if it waits for it
+            now = time.perf_counter()
+            if now - self._yielded >= YIELD_AFTER:
+                time.sleep(0)  # hand the GIL to the training thread if it waits for it
+                self._yielded = time.perf_counter()
         return out
 
     def check_live(self) -> None:
@@ -267,6 +275,7 @@ class Processor:
 
     def _one(self, cur: list) -> None:
         me = threading.current_thread()
+        self._yielded = time.perf_counter()   # it has just taken the GIL back (from a wait)
         try:
             self._handle(cur[1])
         except _Abandoned:

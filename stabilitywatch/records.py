@@ -4,27 +4,47 @@ from __future__ import annotations
 
 import math
 
-from .detectors.update import update_records
-from .shadow.metrics import shadow_records
-from .stats.frame import StatsFrame
+import numpy as np
+
+from .detectors.update import ratio_plan, update_records
+from .shadow.metrics import shadow_plan, shadow_records
+from .stats.frame import PerRowSet, StatsFrame
 from .stats.layout import Stat
 
 
+def _grad_rows(keys) -> np.ndarray:
+    return np.asarray([i for i, (_, r) in enumerate(keys) if r == "grad" or r.startswith("grad.")],
+                      dtype=np.int64)
+
+
+class FrameRecords:
+    """frame_records, with what it works out from a frame's keys kept per row set."""
+
+    def __init__(self):
+        self._grads = PerRowSet(_grad_rows)
+        self._updates = PerRowSet(ratio_plan)
+        self._shadows = PerRowSet(shadow_plan)
+
+    def __call__(self, frame: StatsFrame, base: dict) -> list[dict]:
+        """base: the fields every record of the frame carries (schema, step, rank...)."""
+        recs = [{**base, "module": m, "tensor": r, "stats": d}
+                for (m, r), d in zip(frame.keys, frame.derived_rows())]
+        grad = self._grads(frame)
+        # frame.rows is host memory (numpy): one array op, no device read
+        grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if len(grad) else []  # sync-ok: numpy
+        sent = frame.sentinel
+        if grad_sq or sent is not None:
+            # the gradient rows on steps that read them, else the sentinel (every step)
+            norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
+            if sent is not None:
+                norm["nonfinite"] = sent.nonfinite_total
+                if not grad_sq and frame.world_size > 1:
+                    norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
+            recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
+        return (recs + shadow_records(frame, base, self._shadows(frame))
+                + update_records(frame, base, self._updates(frame)))
+
+
 def frame_records(frame: StatsFrame, base: dict) -> list[dict]:
-    """base: the fields every record of the frame carries (schema, step, rank...)."""
-    derived = frame.derived
-    recs = [dict(base, module=m, tensor=r, stats=derived(i))
-            for i, (m, r) in enumerate(frame.keys)]
-    grad = [i for i, (_, r) in enumerate(frame.keys) if r == "grad" or r.startswith("grad.")]
-    # frame.rows is host memory (numpy): one array op, no device read
-    grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if grad else []  # sync-ok: numpy
-    sent = frame.sentinel
-    if grad_sq or sent is not None:
-        # the gradient rows on steps that read them, else the sentinel (every step)
-        norm = {"l2norm": math.sqrt(sum(grad_sq)) if grad_sq else sent.grad_norm}
-        if sent is not None:
-            norm["nonfinite"] = sent.nonfinite_total
-            if not grad_sq and frame.world_size > 1:
-                norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
-        recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
-    return recs + shadow_records(frame, base) + update_records(frame, base)
+    """The records of one frame (FrameRecords, for a single frame)."""
+    return FrameRecords()(frame, base)

@@ -46,7 +46,8 @@ def test_bench_demo_overhead_smoke(capsys):
 def test_bench_frame_smoke(capsys):
     import bench_frame
     assert bench_frame.main(["--smoke"]) == 0
-    assert "| rows per frame |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| frame | rows |" in out and "| unsampled |" in out and "| detector 'drift' |" in out
 
 
 def test_diagnose_unsampled_smoke(capsys):

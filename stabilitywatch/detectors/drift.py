@@ -16,6 +16,7 @@ Loss, logits and shadow rows belong to the spike and shadow detectors and are sk
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections import deque
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..alert import Alert, Severity
 from ..config import Config
 from ..formats import spec
 from ..stats.buffer import StatsFrame
+from ..stats.frame import PerRowSet
 from .base import Detector
 from .series import MAD_TO_SIGMA, log2_or_none, theil_sen
 
@@ -76,9 +78,10 @@ class _Rings:
         n = self.count[rows]
         lo, hi = (n - 1) // 2, n // 2
         idx = np.arange(len(rows))
-        s = np.sort(self.vals[rows], axis=1)
+        v = self.vals[rows]
+        s = np.sort(v, axis=1)
         med = (s[idx, lo] + s[idx, hi]) / 2.0
-        d = np.sort(np.abs(self.vals[rows] - med[:, None]), axis=1)
+        d = np.sort(np.abs(v - med[:, None]), axis=1)
         return med, MAD_TO_SIGMA * ((d[idx, lo] + d[idx, hi]) / 2.0)
 
     def push(self, rows: np.ndarray, x: np.ndarray) -> None:
@@ -93,46 +96,60 @@ class DriftDetector(Detector):
     def __init__(self, config: Config):
         self.cfg = config
         self._rings = _Rings(config.drift.window)
-        self._skip: dict[str, bool] = {}
         self._trend: dict[tuple[str, str], deque] = {}
+        self._plans = PerRowSet(self._plan)
+
+    def _plan(self, keys: tuple) -> tuple:
+        """(rows judged, {stat: their series in the rings}, [(row, module, role, format)] of the
+        rows with a format) of a row set."""
+        cfg = self.cfg
+        skip: dict[str, bool] = {}
+        keep = []
+        for i, (_, role) in enumerate(keys):
+            s = skip.get(role)
+            if s is None:
+                s = skip[role] = _skipped(role, cfg.drift.exclude_roles)
+            if not s:
+                keep.append(i)
+        series = {stat: self._rings.rows([(*keys[i], stat) for i in keep])
+                  for stat in cfg.drift.stats}
+        fmts = []
+        for i in keep:
+            fmt = cfg.format_for(keys[i][1])
+            if fmt is not None:
+                fmts.append((i, *keys[i], fmt))
+        return np.asarray(keep, dtype=np.int64), series, fmts
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         cfg = self.cfg
-        keep = []
-        for i, (_, role) in enumerate(frame.keys):
-            skip = self._skip.get(role)
-            if skip is None:
-                skip = self._skip[role] = _skipped(role, cfg.drift.exclude_roles)
-            if not skip:
-                keep.append(i)
+        keep, series, fmts = self._plans(frame)
+        if not len(keep):
+            return []
         found: list[tuple[int, int, Alert]] = []   # (row, order within the row, alert)
         for order, stat in enumerate(cfg.drift.stats):
-            col = frame.column(stat)
-            rows, xs = [], []
-            for i in keep:
-                x = log2_or_none(col[i])
-                if x is not None:
-                    rows.append(i)
-                    xs.append(x)
-            if rows:
-                found += [(i, order, a) for i, a in self._change(frame, stat, rows, xs)]
+            col = frame.array(stat)[keep]
+            with np.errstate(invalid="ignore"):
+                ok = (col > 0) & np.isfinite(col)   # series.log2_or_none
+            if ok.any():
+                # math.log2, as series.log2_or_none (numpy's differs in the last bit)
+                xs = list(map(math.log2, col[ok].tolist()))  # sync-ok: host numpy
+                found += [(i, order, a) for i, a in
+                          self._change(frame, stat, keep[ok], series[stat][ok], xs)]
         late = len(cfg.drift.stats)
-        for i in keep:
-            fmt = cfg.format_for(frame.keys[i][1])
-            if fmt is not None:
-                module, role = frame.keys[i]
-                a = self._forecast(frame, module, role, fmt,
-                                   frame.derived(i)["absmax"] * frame.scales[i])
+        if fmts:
+            absmax = frame.column("absmax")
+            for i, module, role, fmt in fmts:
+                a = self._forecast(frame, module, role, fmt, absmax[i] * frame.scales[i])
                 if a is not None:
                     found.append((i, late, a))
         found.sort(key=lambda t: (t[0], t[1]))
         return [a for _, _, a in found]
 
     # -- change points ----------------------------------------------------------------------
-    def _change(self, frame, stat, rows: list, xs: list) -> list[tuple[int, Alert]]:
+    def _change(self, frame, stat, rows: np.ndarray, series: np.ndarray,
+                xs: list) -> list[tuple[int, Alert]]:
         cfg = self.cfg
         r = self._rings
-        series = r.rows([(*frame.keys[i], stat) for i in rows])
         x = np.asarray(xs, dtype=np.float64)
         out = []
         ready = r.count[series] >= cfg.drift.min_history
@@ -147,8 +164,8 @@ class DriftDetector(Detector):
             dev = x[sel] - med
             fire = (((gp > cfg.drift.cusum_h) | (gn > cfg.drift.cusum_h)
                      | (np.abs(z) >= cfg.drift.z)) & (np.abs(dev) >= cfg.drift.min_bits))
-            for j in np.flatnonzero(fire):
-                i = rows[sel[j]]
+            for j in np.flatnonzero(fire).tolist():  # sync-ok: host numpy
+                i = int(rows[sel[j]])
                 module, role = frame.keys[i]
                 zj, mj, xj, dj = float(z[j]), float(med[j]), xs[sel[j]], float(dev[j])
                 how = "jump" if abs(zj) >= cfg.drift.z else "change point (CUSUM)"

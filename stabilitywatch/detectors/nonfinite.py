@@ -45,8 +45,13 @@ class NonFiniteDetector(Detector):
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         # shadow.* rows are measurements of a replica, not tensors of the training step
-        bad = [i for i in range(len(frame.keys)) if sum(_counts(frame.rows[i])) > 0
-               and not frame.keys[i][1].startswith("shadow.")]
+        rows = frame.rows
+        if len(frame.keys):   # one array op over the frame; Python only for the rows that hold any
+            hit = np.flatnonzero(rows[:, Stat.NAN] + (rows[:, Stat.POSINF] + rows[:, Stat.NEGINF])
+                                 > 0).tolist()  # sync-ok: host numpy
+        else:
+            hit = []
+        bad = [i for i in hit if not frame.keys[i][1].startswith("shadow.")]
         sent = frame.sentinel
         s_bad = sent.first_bad() if sent is not None else None
         other_rank = (sent is not None and s_bad is None and bool(sent.any_rank_bad))

@@ -23,12 +23,14 @@ import math
 from collections import deque
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..alert import Alert, Severity
 from ..config import Config
 from ..hooks.taps import param_role
 from ..stats.buffer import StatsFrame
+from ..stats.frame import PerRowSet
 from ..stats.layout import Stat
 from .base import Detector
 
@@ -91,38 +93,88 @@ class PhysicsDetector(Detector):
                 self.params[(name, param_role(pname, "weight"))] = (group_of[id(p)],
                                                                    param_role(pname, "grad"))
         self._by_grad = {(m, g): (m, r) for (m, r), (_, g) in self.params.items()}
-        self._last: dict[tuple[str, str], tuple[int, float, float, float]] = {}
+        # the last clean read of each parameter, by its position in self.params
+        self._keys = list(self.params)
+        self._group = np.asarray([g for g, _ in self.params.values()], dtype=np.int64)
+        self._seen = np.zeros(len(self._keys), dtype=bool)
+        self._step = np.zeros(len(self._keys), dtype=np.int64)
+        self._prev = np.zeros((len(self._keys), 3))   # max, min, absmax
         self._lrs: deque = deque(maxlen=4096)                 # (step, per-group lr)
         self._grads: dict[tuple[str, str], dict[int, float]] = {}   # SGD: step -> grad absmax
         self._bufs: dict[tuple[str, str], dict[int, float]] = {}    # SGD: step -> momentum absmax
         self._lr_cache: dict = {}
+        self._plans = PerRowSet(self._plan)
+        self._c_cache: dict = {}
+
+    def _plan(self, keys: tuple) -> tuple:
+        """(rows of the params read, their positions in self.params) of a row set, in
+        self.params order."""
+        rows = {k: i for i, k in enumerate(keys)}
+        found = [(rows[key], j) for j, key in enumerate(self.params) if key in rows]
+        return (np.asarray([i for i, _ in found], dtype=np.int64),
+                np.asarray([j for _, j in found], dtype=np.int64))
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         if self.kind is None or not self.params:
             return []
         self._lrs.append((frame.step, [_lr(g) for g in self.opt.param_groups]))
-        rows = {k: i for i, k in enumerate(frame.keys)}
         if self.kind == "sgd":
-            self._remember(frame, rows)
-        out = []
+            self._remember(frame, {k: i for i, k in enumerate(frame.keys)})
+        idx, pos = self._plans(frame)
+        if not len(idx):
+            return []
         self._lr_cache: dict = {}
-        for key, (gi, _) in self.params.items():
-            i = rows.get(key)
-            if i is None:
-                continue
-            r = frame.rows[i]
-            if r[Stat.NAN] + r[Stat.POSINF] + r[Stat.NEGINF] > 0 or r[Stat.NUMEL] == 0:
-                self._last.pop(key, None)   # the nonfinite detector's; start again when clean
-                continue
-            cur = (frame.step, float(r[Stat.MAX]), float(r[Stat.MIN]), float(r[Stat.ABSMAX]))
-            prev = self._last.get(key)
-            self._last[key] = cur
-            if prev is None or cur[0] <= prev[0]:
-                continue
-            a = self._judge(frame, key, gi, prev, cur)
+        r = frame.rows[idx]
+        bad = (r[:, Stat.NAN] + r[:, Stat.POSINF] + r[:, Stat.NEGINF] > 0) | (r[:, Stat.NUMEL] == 0)
+        self._seen[pos[bad]] = False   # the nonfinite detector's; start again when clean
+        ok = ~bad
+        p, r = pos[ok], r[ok]
+        step = frame.step
+        cur = np.stack([r[:, Stat.MAX], r[:, Stat.MIN], r[:, Stat.ABSMAX]], axis=1)
+        judged = self._seen[p] & (self._step[p] < step)
+        prev_steps, prev = self._step[p[judged]], self._prev[p[judged]]
+        self._seen[p], self._step[p], self._prev[p] = True, step, cur
+        if not judged.any():
+            return []
+        j = p[judged]
+        if self.kind == "adam":
+            fire = self._adam_fire(j, prev_steps, prev, cur[judged], step)
+        else:
+            fire = np.ones(len(j), dtype=bool)   # _judge decides, parameter by parameter
+        out = []
+        # Python for the parameters past the bound only (Adam), or every one (SGD)
+        for k in np.flatnonzero(fire).tolist():  # sync-ok: host numpy
+            key = self._keys[int(j[k])]
+            gi = self.params[key][0]
+            a = self._judge(frame, key, gi, (int(prev_steps[k]), *prev[k].tolist()),
+                            (step, *cur[judged][k].tolist()))
             if a is not None:
                 out.append(a)
         return out
+
+    def _adam_fire(self, j, s0, prev, cur, s1) -> np.ndarray:
+        """Where a max or min moved more than margin x the Adam bound (_bound, _judge), for
+        every parameter at once with the same float64 operations; False where not checked."""
+        groups = self.opt.param_groups
+        gis = self._group[j]
+        lr = np.full(len(j), np.nan)
+        for gi, st in set(zip(gis.tolist(), s0.tolist())):  # sync-ok: host numpy
+            got = self._lr_max(gi, st)
+            if got is not None:
+                lr[(gis == gi) & (s0 == st)] = got
+        c = np.full(len(j), np.nan)
+        wd = np.zeros(len(j))
+        for gi in set(gis.tolist()):  # sync-ok: host numpy
+            cg = self._adam_c(groups[gi].get("betas", (0.9, 0.999)))
+            if cg is not None:
+                c[gis == gi] = cg
+            wd[gis == gi] = float(groups[gi].get("weight_decay", 0.0) or 0.0)
+        n = (s1 - s0).astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            bound = n * lr * (c + wd * (prev[:, 2] + n * lr * c))
+            dmax, dmin = np.abs(cur[:, 0] - prev[:, 0]), np.abs(cur[:, 1] - prev[:, 1])
+            moved = np.where(dmin > dmax, dmin, dmax)   # Python's max(dmax, dmin)
+            return moved > self.margin * bound          # NaN (not checked): False
 
     def _remember(self, frame, rows) -> None:
         sent = getattr(frame, "sentinel", None)
@@ -158,7 +210,18 @@ class PhysicsDetector(Detector):
                 break
         return best
 
-    def _bound(self, key, gi, s0, s1, absmax) -> Optional[tuple[float, float, str]]:
+    def _adam_c(self, betas) -> Optional[float]:
+        try:
+            key = tuple(betas)
+            hit = self._c_cache.get(key, self)
+        except TypeError:   # unhashable betas: worked out each time
+            return adam_bound(betas)
+        if hit is self:
+            hit = self._c_cache[key] = adam_bound(betas)
+        return hit
+
+    def _bound(self, key, gi, s0, s1, absmax) -> Optional[tuple[float, float, Optional[float]]]:
+        """(bound, lr, Adam's per-step constant or None for SGD), or None: not checked."""
         group = self.opt.param_groups[gi]
         lr = self._lr_max(gi, s0)
         if lr is None:
@@ -166,13 +229,11 @@ class PhysicsDetector(Detector):
         wd = float(group.get("weight_decay", 0.0) or 0.0)
         n = s1 - s0
         if self.kind == "adam":
-            c = adam_bound(group.get("betas", (0.9, 0.999)))
+            c = self._adam_c(group.get("betas", (0.9, 0.999)))
             if c is None:
                 return None
             # |w| may grow by n * lr * c between the reads before it decays
-            return n * lr * (c + wd * (absmax + n * lr * c)), lr, \
-                f"{type(self.opt).__name__} (at most " \
-                f"{c:.3g} x lr per element per step)"
+            return n * lr * (c + wd * (absmax + n * lr * c)), lr, c
         grads, bufs = self._grads.get(key, {}), self._bufs.get(key, {})
         if any(s not in grads for s in range(s0, s1)):
             return None
@@ -188,7 +249,7 @@ class PhysicsDetector(Detector):
             per = bufs.get(s0 - 1, 0.0) + (1 - damp) * g / (1 - mu)
             if group.get("nesterov"):
                 per = g + mu * per
-        return n * lr * per, lr, "SGD (lr x gradient)"
+        return n * lr * per, lr, None
 
     def _judge(self, frame, key, gi, prev, cur) -> Optional[Alert]:
         s0, mx0, mn0, am0 = prev
@@ -197,12 +258,14 @@ class PhysicsDetector(Detector):
         got = self._bound(key, gi, s0, s1, am0)
         if got is None:
             return None
-        bound, lr, how = got
+        bound, lr, c = got
         dmax, dmin = abs(mx1 - mx0), abs(mn1 - mn0)
         moved = max(dmax, dmin)
         limit = self.margin * bound
         if not moved > limit:
             return None
+        how = (f"{type(self.opt).__name__} (at most {c:.3g} x lr per element per step)"
+               if c is not None else "SGD (lr x gradient)")
         module, role = key
         stat, (a, b) = ("max", (mx0, mx1)) if dmax >= dmin else ("min", (mn0, mn1))
         bits = math.log2(am1 / am0) if am0 > 0 and am1 > 0 else math.inf

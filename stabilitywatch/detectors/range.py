@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..alert import Alert, Severity
 from ..config import Config
 from ..formats import spec
 from ..stats.buffer import StatsFrame
+from ..stats.frame import PerRowSet
 from .base import Detector
 
 
@@ -18,17 +21,37 @@ class RangeDetector(Detector):
 
     def __init__(self, config: Config):
         self.config = config
+        self._plans = PerRowSet(self._plan)
+
+    def _plan(self, keys: tuple) -> list[tuple[str, np.ndarray]]:
+        """(format, the rows cast to it) of a row set (shadow.* rows are a replica's)."""
+        by_fmt: dict[str, list] = {}
+        for i, (_, role) in enumerate(keys):
+            fmt = None if role.startswith("shadow.") else self.config.format_for(role)
+            if fmt is not None:
+                by_fmt.setdefault(fmt, []).append(i)
+        return [(fmt, np.asarray(ix, dtype=np.int64)) for fmt, ix in by_fmt.items()]
 
     def check(self, frame: StatsFrame) -> list[Alert]:
+        plan = self._plans(frame)
+        if not plan:
+            return []
         cfg = self.config
+        rng = cfg.range
+        finite = frame.array("finite")
+        trip: list[tuple[int, str]] = []
+        for fmt, ix in plan:   # the thresholds over whole columns; Python for the rows over them
+            over = frame.array(f"{fmt}_overflow_frac")[ix]
+            under = frame.array(f"{fmt}_underflow_frac")[ix]
+            hit = (~(finite[ix] < rng.min_numel)
+                   & ((over > rng.overflow_warn) | (over > rng.overflow_critical)
+                      | (under > rng.underflow_warn) | (under > rng.underflow_critical)))
+            trip += [(i, fmt) for i in ix[hit].tolist()]  # sync-ok: host numpy
+        trip.sort()
         out: list[Alert] = []
-        for i, (module, role) in enumerate(frame.keys):
-            fmt = None if role.startswith("shadow.") else cfg.format_for(role)
-            if fmt is None:
-                continue
+        for i, fmt in trip:
+            module, role = frame.keys[i]
             d = frame.derived(i)
-            if d["finite"] < cfg.range.min_numel:
-                continue
             scale = frame.scales[i]
             f = spec(fmt)
             over = d[f"{fmt}_overflow_frac"]

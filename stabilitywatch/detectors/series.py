@@ -92,3 +92,86 @@ def theil_sen(y: np.ndarray, x: np.ndarray, confidence: float) -> tuple[float, f
 def _repeats(v: np.ndarray) -> list[int]:
     _, counts = np.unique(v, return_counts=True)
     return [int(c) for c in counts if c > 1]
+
+
+class Rings:
+    """The windows of many series (one per module...) as rows of one array, in the order their
+    values came, NaN past each window's count: `noise` and `recent` of many series at once give
+    exactly Window's values (the same float64 operations in the same order), without a Python
+    median per series."""
+
+    def __init__(self, size: int):
+        self.w = size
+        self.row: dict = {}
+        self.vals = np.full((16, size), np.nan)
+        self.count = np.zeros(16, dtype=np.int64)
+        self.pos = np.zeros(16, dtype=np.int64)
+
+    def rows(self, keys: list) -> np.ndarray:
+        """The row of each series (made on first sight)."""
+        out = np.empty(len(keys), dtype=np.int64)
+        for j, k in enumerate(keys):
+            r = self.row.get(k)
+            if r is None:
+                r = self.row[k] = len(self.row)
+                if r >= self.vals.shape[0]:
+                    self._grow(2 * self.vals.shape[0])
+            out[j] = r
+        return out
+
+    def _grow(self, cap: int) -> None:
+        n = self.vals.shape[0]
+        vals = np.full((cap, self.w), np.nan)
+        vals[:n] = self.vals
+        count, pos = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+        count[:n], pos[:n] = self.count, self.pos
+        self.vals, self.count, self.pos = vals, count, pos
+
+    def push(self, rows: np.ndarray, x: np.ndarray) -> None:
+        """One value for each of the rows (distinct)."""
+        self.vals[rows, self.pos[rows]] = x
+        self.pos[rows] = (self.pos[rows] + 1) % self.w
+        self.count[rows] = np.minimum(self.count[rows] + 1, self.w)
+
+    def _ordered(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.count[rows]
+        start = np.where(n == self.w, self.pos[rows], 0)
+        idx = (start[:, None] + np.arange(self.w)) % self.w
+        return self.vals[rows[:, None], idx], n
+
+    def median(self, rows: np.ndarray) -> np.ndarray:
+        """Window.noise's median alone (the order of the values does not matter to it)."""
+        return _medians(self.vals[rows], self.count[rows])
+
+    def noise(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Window.noise of each row: (median, step-to-step noise)."""
+        c, n = self._ordered(rows)
+        med = _medians(c, n)
+        d = c[:, 1:] - c[:, :-1]            # NaN past each window's last difference
+        dn = np.maximum(n - 1, 0)
+        dm = _medians(d, dn)
+        with np.errstate(invalid="ignore"):
+            mad = _medians(np.abs(d - dm[:, None]), dn)
+        sigma = np.where(n < 3, 0.0, MAD_TO_SIGMA * mad / math.sqrt(2.0))
+        return med, sigma
+
+    def recent(self, rows: np.ndarray, k: int) -> np.ndarray:
+        """Window.recent(k) of each row: the median of its last k values."""
+        c, n = self._ordered(rows)
+        first = np.maximum(n - k, 0)
+        idx = first[:, None] + np.arange(k)
+        last = np.take_along_axis(c, np.minimum(idx, self.w - 1), axis=1)
+        last = np.where(idx < n[:, None], last, np.nan)
+        return _medians(last, np.minimum(n, k))
+
+
+def _medians(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Per row, the median of its first n[i] values (the rest NaN), as _median: NaN sorts past
+    the end; the two middle values averaged ((x + x) / 2 is x for an odd count)."""
+    if a.shape[1] == 0:
+        return np.full(a.shape[0], np.nan)
+    s = np.sort(a, axis=1)
+    lo = np.clip((n - 1) // 2, 0, a.shape[1] - 1)
+    hi = np.clip(n // 2, 0, a.shape[1] - 1)
+    idx = np.arange(a.shape[0])
+    return np.where(n > 0, (s[idx, lo] + s[idx, hi]) / 2.0, np.nan)

@@ -12,7 +12,8 @@ import math
 
 from ..alert import Alert, Severity
 from ..config import Config
-from ..shadow.metrics import shadow_metrics
+from ..shadow.metrics import shadow_metrics, shadow_plan
+from ..stats.frame import PerRowSet
 from ..stats.buffer import StatsFrame
 from .base import Detector
 from .series import Window
@@ -24,10 +25,11 @@ class ShadowDetector(Detector):
     def __init__(self, config: Config):
         self.cfg = config
         self._hist: dict[tuple[str, str, str], Window] = {}
+        self._plans = PerRowSet(shadow_plan)
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         cfg, out = self.cfg, []
-        for module, kind, sfx, m in shadow_metrics(frame):
+        for module, kind, sfx, m in shadow_metrics(frame, self._plans(frame)):
             rel = m["rel_l2"]
             if math.isnan(rel):
                 continue

@@ -21,29 +21,48 @@ divergence (Wortsman et al. 2023, arXiv 2309.14322).
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+import numpy as np
 
 from ..alert import Alert, Severity
 from ..config import Config
 from ..stats.buffer import StatsFrame
 from ..stats.derive import finite_count
+from ..stats.frame import PerRowSet
 from ..stats.layout import Stat
 from .base import Detector
-from .series import Window, log2_or_none
+from .series import Rings, Window, log2_or_none
 
 
 def is_grad_role(role: str) -> bool:
     return role == "grad" or role.startswith("grad.")
 
 
-def grad_norms(frame: StatsFrame) -> tuple[float, dict[str, float]]:
-    """(global L2 norm, {module: L2 norm}) of the parameter gradients in the frame (NaN global
-    when there are none). Non-finite values are not in the sums (the nonfinite detector's)."""
-    per: dict[str, float] = {}
-    for i, (m, r) in enumerate(frame.keys):
+def grad_rows(keys) -> tuple[list, list]:
+    """(modules, each one's parameter-gradient rows) of a row set, modules in row order."""
+    groups: dict[str, list] = {}
+    for i, (m, r) in enumerate(keys):
         if is_grad_role(r):
-            per[m] = per.get(m, 0.0) + float(frame.rows[i][Stat.SUMSQ])
-    total = math.sqrt(sum(per.values())) if per else math.nan
-    return total, {m: math.sqrt(v) for m, v in per.items()}
+            groups.setdefault(m, []).append(i)
+    return list(groups), list(groups.values())
+
+
+def grad_norms(frame: StatsFrame, groups: Optional[list] = None) -> tuple[float, list]:
+    """(global L2 norm, each module's L2 norm, modules as grad_rows gives them) of the parameter
+    gradients in the frame (NaN global when there are none). Non-finite values are not in the
+    sums (the nonfinite detector's)."""
+    if groups is None:
+        groups = grad_rows(frame.keys)[1]
+    sq = frame.rows[:, Stat.SUMSQ].tolist() if groups else []  # sync-ok: host numpy
+    per = []
+    for ix in groups:
+        v = 0.0
+        for i in ix:
+            v = v + sq[i]
+        per.append(v)
+    total = math.sqrt(sum(per)) if per else math.nan
+    return total, [math.sqrt(v) for v in per]
 
 
 class SpikeDetector(Detector):
@@ -52,6 +71,13 @@ class SpikeDetector(Detector):
     def __init__(self, config: Config):
         self.cfg = config
         self._win: dict[tuple[str, str], Window] = {}
+        self._layers = Rings(config.spike.window)        # each module's log2 gradient norm
+        self._plans = PerRowSet(self._plan)
+
+    def _plan(self, keys: tuple) -> tuple:
+        mods, groups = grad_rows(keys)
+        logits = [(j, m, r) for j, (m, r) in enumerate(keys) if r in ("attn_logits", "logz")]
+        return mods, groups, self._layers.rows([(m, "grad") for m in mods]), logits
 
     def _window(self, key) -> Window:
         w = self._win.get(key)
@@ -61,9 +87,10 @@ class SpikeDetector(Detector):
 
     def check(self, frame: StatsFrame) -> list[Alert]:
         out: list[Alert] = []
-        total, per = grad_norms(frame)
-        if per:
-            out += self._grad_spikes(frame, total, per)
+        mods, groups, series, logits = self._plans(frame)
+        if mods:
+            total, per = grad_norms(frame, groups)
+            out += self._grad_spikes(frame, total, mods, per, series)
         i = frame.index("", "loss")
         if i is not None:
             row = frame.rows[i]
@@ -72,13 +99,11 @@ class SpikeDetector(Detector):
                 a = self._loss(frame, float(row[Stat.SUM]) / n)
                 if a:
                     out.append(a)
-        for j, (m, r) in enumerate(frame.keys):
+        for j, m, r in logits:
             if r == "attn_logits":
-                a = self._attn(frame, m, frame.derived(j)["absmax"])
-            elif r == "logz":
-                a = self._logz(frame, m, frame.derived(j)["mean"])
+                a = self._attn(frame, m, frame.column("absmax")[j])
             else:
-                continue
+                a = self._logz(frame, m, frame.column("mean")[j])
             if a:
                 out.append(a)
         return out
@@ -123,12 +148,25 @@ class SpikeDetector(Detector):
         w.push(x)
         return res
 
-    def _grad_spikes(self, frame, total, per):
+    def _grad_spikes(self, frame, total, mods, per, series):
+        cfg = self.cfg.spike
+        ok = [j for j, g in enumerate(per) if g > 0 and math.isfinite(g)]   # log2_or_none
         layer = {}
-        for m, g in per.items():
-            j = self._jump((m, "grad"), g, self.cfg.spike.layer_grad_bits)
-            if j is not None and j[0] > j[1]:
-                layer[m] = (g, j)
+        if ok:
+            rows, x = series[ok], np.array([math.log2(per[j]) for j in ok])
+            ready = np.flatnonzero(self._layers.count[rows] >= cfg.min_history)
+            # as _jump, for every module at once; the threshold is at least layer_grad_bits,
+            # so the noise (two more sorts) is worked out only where the jump passes that
+            near = ready[x[ready] - self._layers.median(rows[ready]) > cfg.layer_grad_bits]
+            if len(near):
+                med, sigma = self._layers.noise(rows[near])
+                thr = np.maximum(cfg.z * sigma, cfg.layer_grad_bits)
+                dev = x[near] - med
+                for k in np.flatnonzero(dev > thr).tolist():  # sync-ok: host numpy
+                    j = ok[int(near[k])]
+                    layer[mods[j]] = (per[j], (float(dev[k]), float(thr[k]),
+                                               2.0 ** float(med[k])))
+            self._layers.push(rows, x)
         out = []
         j = self._jump(("", "grad_norm"), total, self.cfg.spike.grad_bits)
         global_spike = j is not None and j[0] > j[1]

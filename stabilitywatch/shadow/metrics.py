@@ -10,6 +10,7 @@ Rows merge across repeated calls of a module within a step, and so do these meas
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from ..stats.buffer import StatsFrame
 from ..stats.layout import Stat
@@ -30,24 +31,46 @@ def is_shadow_role(role: str) -> bool:
     return role.startswith("shadow.")
 
 
-def shadow_metrics(frame: StatsFrame) -> list[tuple[str, str, str, dict[str, float]]]:
-    """[(module, kind, output suffix, measures)] for every shadow error row of the frame."""
+def shadow_plan(keys) -> list[tuple]:
+    """[(module, kind, suffix, error row, shadow row, ulp row, live row)] of a row set, for the
+    error rows with a shadow row (rows absent: None)."""
+    where: dict = {}
+    for i, k in enumerate(keys):
+        where.setdefault(k, i)   # the first row of a key, as frame.index gives it
+    row = lambda m, r: where.get((m, r))  # noqa: E731
     out = []
-    for i, (module, role) in enumerate(frame.keys):
+    for i, (module, role) in enumerate(keys):
         if not role.startswith("shadow"):  # most rows; checked at C speed before _split
             continue
         split = _split(role)
         if split is None:
             continue
         kind, sfx = split
-        e = frame.rows[i]
-        s = _row(frame, module, f"{kind}.output{sfx}")
-        u = _row(frame, module, f"{kind}.ulp{sfx}")
-        y = _row(frame, module, f"output{sfx}")
-        if y is None:
-            y = _row(frame, module, f"shadow.live{sfx}")
+        s = row(module, f"{kind}.output{sfx}")
         if s is None:
             continue
+        y = row(module, f"output{sfx}")
+        if y is None:
+            y = row(module, f"shadow.live{sfx}")
+        out.append((module, kind, sfx, i, s, row(module, f"{kind}.ulp{sfx}"), y))
+    return out
+
+
+def shadow_metrics(frame: StatsFrame, plan: Optional[list] = None
+                   ) -> list[tuple[str, str, str, dict[str, float]]]:
+    """[(module, kind, output suffix, measures)] for every shadow error row of the frame (worked
+    out once per frame: the detector and the records both read them)."""
+    return frame.memo("shadow_metrics", lambda f: _metrics(
+        f, shadow_plan(f.keys) if plan is None else plan))
+
+
+def _metrics(frame: StatsFrame, plan: list) -> list:
+    out = []
+    rows = frame.rows
+    for module, kind, sfx, ie, is_, iu, iy in plan:
+        e, s = rows[ie], rows[is_]
+        u = None if iu is None else rows[iu]
+        y = None if iy is None else rows[iy]
         e2, s2 = float(e[Stat.SUMSQ]), float(s[Stat.SUMSQ])
         m = {"rel_l2": math.sqrt(e2 / s2) if s2 > 0 else (0.0 if e2 == 0 else math.inf),
              "sqnr_db": 10 * math.log10(s2 / e2) if e2 > 0 and s2 > 0 else
@@ -69,12 +92,7 @@ def shadow_metrics(frame: StatsFrame) -> list[tuple[str, str, str, dict[str, flo
     return out
 
 
-def _row(frame: StatsFrame, module: str, role: str):
-    i = frame.index(module, role)
-    return None if i is None else frame.rows[i]
-
-
-def shadow_records(frame: StatsFrame, base: dict) -> list[dict]:
+def shadow_records(frame: StatsFrame, base: dict, plan: Optional[list] = None) -> list[dict]:
     """stats.jsonl records: tensor `shadow` (teacher-forced) or `shadow.model` (accumulated)."""
     return [{**base, "module": m, "tensor": kind + sfx, "stats": meas}
-            for m, kind, sfx, meas in shadow_metrics(frame)]
+            for m, kind, sfx, meas in shadow_metrics(frame, plan)]

@@ -18,7 +18,9 @@ import os
 from typing import Any, Optional
 
 from ..alert import Alert
-from ..stats.derive import DerivedRow
+import numpy as np
+
+from ..stats.derive import NAMES, DerivedRow
 from . import jsonl_lines, line_file
 from .base import Sink
 from .child import HERE, Child
@@ -172,16 +174,18 @@ class JsonlSink(Sink):
 def to_parts(records: list[dict[str, Any]]) -> list:
     """The records as jsonl_lines parts: plain values only (for the writer process). Records
     whose stats are rows of one frame's shared columns (stats.derive.DerivedRow) become one
-    ("frame", table, heads, rows) part."""
+    part: ("frame64", names, the columns' float64 bytes, heads, rows) where the frame kept
+    its columns as arrays (the writer process makes the Python floats, not this thread), else
+    ("frame", table, heads, rows)."""
     parts: list = []
     i = 0
     while i < len(records):
         stats = records[i].get("stats")
         j = i
         if isinstance(stats, DerivedRow):
-            table = stats.table
+            shared = stats.columns
             while (j < len(records) and isinstance(records[j].get("stats"), DerivedRow)
-                   and records[j]["stats"].table is table):
+                   and records[j]["stats"].columns is shared):
                 j += 1
         if j - i < 2:
             r = records[i]
@@ -189,8 +193,16 @@ def to_parts(records: list[dict[str, Any]]) -> list:
             i += 1
             continue
         group = records[i:j]
-        parts.append(("frame", table, [{k: v for k, v in r.items() if k != "stats"}
-                                       for r in group], [r["stats"].index for r in group]))
+        heads = [r.copy() for r in group]   # the records less their stats, in key order
+        for h in heads:
+            del h["stats"]
+        rows = [r["stats"].index for r in group]
+        arrays = stats.arrays
+        if arrays is not None:
+            blob = np.stack([arrays[k] for k in NAMES]).astype(np.float64, copy=False).tobytes()
+            parts.append(("frame64", NAMES, blob, heads, rows))
+        else:
+            parts.append(("frame", stats.table, heads, rows))
         i = j
     return parts
 

@@ -7,6 +7,7 @@ encoded column by column: one `float.__repr__` per value and one %-format per li
 from __future__ import annotations
 
 import json
+from array import array
 import math
 from typing import Any
 
@@ -29,14 +30,19 @@ def clean_record(record: dict) -> dict:
 
 
 def encode_parts(parts: list) -> str:
-    """parts: ("record", record with plain stats) or ("frame", table, heads, rows): the records
-    heads[k] with stats = row rows[k] of the table. One line per record, in order."""
+    """parts: ("record", record with plain stats), ("frame", table, heads, rows): the records
+    heads[k] with stats = row rows[k] of the table, or ("frame64", names, blob, heads, rows):
+    the same with the table's columns as float64 bytes. One line per record, in order."""
     lines: list[str] = []
     for part in parts:
         if part[0] == "record":
             lines.append(dumps(clean_record(part[1])))
             continue
-        _, table, heads, rows = part
+        if part[0] == "frame64":
+            _, names, blob, heads, rows = part
+            table = _unpack(names, blob)
+        else:
+            _, table, heads, rows = part
         for head, body in zip(heads, stats_objects(table, rows)):
             h = dumps(head)
             lines.append(f'{h[:-1]},"stats":{body}}}' if len(h) > 2 else f'{{"stats":{body}}}')
@@ -45,7 +51,16 @@ def encode_parts(parts: list) -> str:
 
 def count_records(parts: list) -> int:
     """How many records (lines) encode_parts(parts) writes."""
-    return sum(1 if p[0] == "record" else len(p[2]) for p in parts)
+    return sum(1 if p[0] == "record" else len(p[3] if p[0] == "frame64" else p[2]) for p in parts)
+
+
+def _unpack(names, blob: bytes) -> dict:
+    """The columns of a ("frame64", ...) part: name -> list of floats (float64 bytes, one column
+    after the other)."""
+    vals = array("d")
+    vals.frombytes(blob)
+    n = len(vals) // len(names) if names else 0
+    return {k: vals[c * n:(c + 1) * n].tolist() for c, k in enumerate(names)}
 
 
 def stats_objects(table: dict, rows: list) -> list:

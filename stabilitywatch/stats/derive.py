@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Optional
 
 import numpy as np
 
@@ -26,10 +27,33 @@ def derive(row: np.ndarray, scale: float = 1.0) -> dict[str, float]:
 
 
 def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
-    """derive() for every row of a frame at once: the arithmetic runs on columns (numpy), only
-    the final dicts are built per row (this runs in the training thread for every frame)."""
+    """derive() for every row of a frame at once (read-only mappings over shared columns)."""
+    table, _, hists = derive_table(rows, scales)
+    return [DerivedRow(table, i, hists) for i in range(len(hists))]
+
+
+SMALL = 2   # frames of at most this many rows (the loss alone) take the scalar path
+
+
+def derive_table(rows: np.ndarray, scales) -> tuple[dict, Optional[dict], np.ndarray]:
+    """(table, arrays, hists): the named values of every row as columns (a `Columns`: name ->
+    list of Python floats, one per row, each made on first read), the same columns as numpy
+    arrays (None for a frame of at most
+    SMALL rows, whose values are worked out one by one: ~60 numpy calls on a single row cost
+    more than the loss row's whole frame may), and the rows' exponent histograms (read-only)."""
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_STATS)
     scale = effective_scales(scales).reshape(-1)
+    if rows.shape[0] <= SMALL:
+        table, arrays = Columns(_derive_scalar(rows, scale)), None
+    else:
+        arrays = _derive_arrays(rows, scale)
+        table = Columns(None, arrays)
+    hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
+    hists.flags.writeable = False
+    return table, arrays, hists
+
+
+def _derive_arrays(rows: np.ndarray, scale: np.ndarray) -> dict[str, np.ndarray]:
     nan = np.nan
     cols: dict[str, np.ndarray] = {k: rows[:, i] for k, i in COUNT_KEYS.items()}
     n = rows[:, Stat.NUMEL] - rows[:, Stat.NAN] - rows[:, Stat.POSINF] - rows[:, Stat.NEGINF]
@@ -70,10 +94,85 @@ def derive_many(rows: np.ndarray, scales) -> list[dict[str, float]]:
                 has & (amax_s > 0), math.log2(FORMATS[fmt].max) - np.log2(amax_s), nan)
         cols["dynamic_range_bits"] = np.where(has & (absmax > 0) & np.isfinite(nz),
                                               np.log2(absmax) - np.log2(nz), nan)
-    table = {k: c.tolist() for k, c in cols.items()}  # sync-ok: host numpy arrays
-    hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
-    hists.flags.writeable = False
-    return [DerivedRow(table, i, hists) for i in range(rows.shape[0])]
+    return cols
+
+
+def _sqrt(v: float) -> float:
+    return math.sqrt(v) if v >= 0 else math.nan   # np.sqrt's NaN for a negative (or NaN) value
+
+
+def _derive_scalar(rows: np.ndarray, scales: np.ndarray) -> dict[str, list]:
+    """_derive_arrays, value by value, with the same float64 operations in the same order (so
+    the same results; log2 is numpy's, whose results differ from math.log2's in the last bit)."""
+    names = NAMES
+    table: dict[str, list] = {k: [] for k in names}
+    nan = math.nan
+    for r, scale in zip(rows.tolist(), scales.tolist()):   # sync-ok: host numpy arrays
+        n = r[Stat.NUMEL] - r[Stat.NAN] - r[Stat.POSINF] - r[Stat.NEGINF]
+        has = n > 0
+        safe_n = n if has else 1.0
+        absmax = r[Stat.ABSMAX] if has else nan
+        nz = r[Stat.ABSMIN_NZ]
+        mean = r[Stat.SUM] / safe_n if has else nan
+        ms = r[Stat.SUMSQ] / safe_n if has else nan
+        shift = r[Stat.SHIFT]
+        if not (shift == 0 and math.copysign(1.0, shift) < 0):   # layout.shift_is_set
+            dm = r[Stat.SHIFT_SUM] / safe_n
+            var = r[Stat.SHIFT_SUMSQ] / safe_n - dm * dm
+        else:
+            var = ms - mean * mean
+        nonzero = n - r[Stat.ZEROS]
+        amax_s = absmax * scale
+        with np.errstate(all="ignore"):
+            l_amax_s, l_absmax, l_nz = np.log2(np.array([amax_s, absmax, nz])).tolist()
+        vals = [r[i] for i in COUNT_KEYS.values()]
+        vals += [n, r[Stat.MIN] if has else nan, r[Stat.MAX] if has else nan, absmax,
+                 nz if math.isfinite(nz) else nan, r[Stat.SUM] if has else nan, mean,
+                 _sqrt(var if var > 0 or var != var else 0.0) if has else nan,   # np.maximum
+                 _sqrt(ms) if has else nan, _sqrt(r[Stat.SUMSQ]) if has else nan]
+        for fmt in ROW_FORMATS:
+            base = FMT_BASE[fmt]
+            over, under = r[base], r[base + 1]
+            vals += [over, under, r[base + 2], over / safe_n if has else 0.0,
+                     under / nonzero if nonzero > 0 else 0.0,
+                     math.log2(FORMATS[fmt].max) - l_amax_s if has and amax_s > 0 else nan]
+        vals.append(l_absmax - l_nz if has and absmax > 0 and math.isfinite(nz) else nan)
+        for k, v in zip(names, vals):
+            table[k].append(v)
+    return table
+
+
+# the derived values' names, in the order records carry them
+NAMES = tuple(COUNT_KEYS) + ("finite", "min", "max", "absmax", "absmin_nonzero", "sum", "mean",
+                             "std", "rms", "l2norm") + tuple(
+    f"{f.value}_{k}" for f in ROW_FORMATS for k in ("overflow", "underflow", "subnormal",
+                                                    "overflow_frac", "underflow_frac",
+                                                    "headroom_bits")) + ("dynamic_range_bits",)
+
+
+class Columns(dict):
+    """name -> list of one value per row, in NAMES order. From column arrays, a list is made
+    (tolist) when first read: a frame's ~22,000 values become Python floats only where a
+    reader needs them (the JSONL sink ships the arrays to its writer process as they are)."""
+
+    __slots__ = ("arrays", "_full")
+
+    def __init__(self, lists: "dict | None" = None, arrays: "dict | None" = None):
+        super().__init__(lists or {})
+        self.arrays = arrays
+        self._full: Optional[dict] = None
+
+    def __missing__(self, key: str) -> list:
+        if self.arrays is None:
+            raise KeyError(key)
+        col = self[key] = self.arrays[key].tolist()  # sync-ok: host numpy arrays
+        return col
+
+    def full(self) -> dict:
+        """Every column, in NAMES order (made once)."""
+        if self._full is None:
+            self._full = {k: self[k] for k in NAMES}
+        return self._full
 
 
 class DerivedRow(Mapping):
@@ -89,10 +188,11 @@ class DerivedRow(Mapping):
         return self._cols[key][self._i]
 
     def __iter__(self):
-        return iter(self._cols)
+        # a Columns table holds the lists read so far; its names are NAMES
+        return iter(NAMES if type(self._cols) is Columns else self._cols)
 
     def __len__(self) -> int:
-        return len(self._cols)
+        return len(NAMES if type(self._cols) is Columns else self._cols)
 
     def column(self, key: str) -> list:
         """This value for every row of the frame (the shared column)."""
@@ -101,7 +201,18 @@ class DerivedRow(Mapping):
     @property
     def table(self) -> dict:
         """The frame's shared columns (name -> list of values, one per row)."""
+        return self._cols.full() if isinstance(self._cols, Columns) else self._cols
+
+    @property
+    def columns(self) -> Mapping:
+        """The frame's shared columns object, as it is (lists made as they are read)."""
         return self._cols
+
+    @property
+    def arrays(self) -> "dict | None":
+        """The frame's shared columns as float64 arrays (None for a frame of at most SMALL
+        rows), read-only."""
+        return self._cols.arrays if isinstance(self._cols, Columns) else None
 
     @property
     def index(self) -> int:
