@@ -105,13 +105,14 @@ class StatsBuffer:
         ops = self.ops
         sig = many_sig(items)
         plan = self._plans.get((phase, overwrite))
+        touched = self._touched
         if (sig is not None and plan is not None and plan.shape == sig[0]
-                and not any(s in self._touched for s in plan.slots)
+                and touched.keys().isdisjoint(plan.slots)
                 and (plan.addrs == sig[1] or rebind(plan, items, sig[1]))):
             writing += plan.slots
-            n = len(self._touched)
+            n = len(touched)
             for k, slot in enumerate(plan.slots):
-                self._touched[slot] = (phase, n + k)
+                touched[slot] = (phase, n + k)
             for device, launch, _ in plan.launches:
                 self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
@@ -180,8 +181,8 @@ class StatsBuffer:
             dev.scale[slot].copy_(scale.detach().reshape(1))
             self.tensor_scaled.add(slot)
         lo, hi = dev.dirty
-        if not lo <= slot < hi:
-            dev.mark(slot, slot + 1)
+        if not lo <= slot < hi:   # DeviceRows.mark, inline: rows come in slot order mostly
+            dev.dirty = (min(lo, slot), max(hi, slot + 1)) if lo < hi else (slot, slot + 1)
         if self.device_of[slot] is None:
             self.device_of[slot] = device
         row = dev.views[slot]
