@@ -210,7 +210,7 @@ class StatsBuffer:
         if self._step is None or not (self._touched or self._untracked or sent):
             self._step = None
             return
-        touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
+        touched = sorted([(ph, seq, slot) for slot, (ph, seq) in self._touched.items()])
         if self._untracked:  # compiled code writes rows without host bookkeeping: read them all
             seen = {slot for _, _, slot in touched}
             touched += [(self.phase_of[s], UNSEEN, s) for s in range(len(self.keys))
