@@ -159,7 +159,7 @@ def run(kind: str, device: str, smoke: bool, steps: int, out: str, mode: str) ->
     try:
         if mon is not None:
             _instrument(mon, clock, rows, inside)
-        warm = 3
+        warm = 1 if smoke else 3
         for i in range(warm + (len(PARTS) if mode == "calls" else steps)):
             clock.ms, before_rows, before_in = {}, Counter(rows), Counter(inside)
             # "calls": one part counted per step, the profiler's cost kept out of the others

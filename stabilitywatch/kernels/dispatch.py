@@ -56,9 +56,10 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_of(t: torch.Tensor) -> torch.Tensor:
-    # flat_view(t), with no detach or negation check where neither is needed
+    # what the kernel launch reads t through: t itself where it is contiguous (the launch
+    # reads its elements from the first, whatever its shape), else flat_view(t)
     if t.is_contiguous() and not t.requires_grad and not t.is_neg():
-        return t.view(-1)
+        return t
     return flat_view(t)
 
 
@@ -92,7 +93,7 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         mod = _triton_module()
         if mod is not None and t.dtype in mod.KERNEL_DTYPES:
             if t.numel():
-                mod.launch_row_stats(_flat_of(t), row, scale)
+                mod.run_row_stats(_flat_of(t), row, scale, None, None)
             return
     if t.numel() == 0:
         return
