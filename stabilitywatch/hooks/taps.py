@@ -289,6 +289,7 @@ class Taps:
                     role = roles.get((pname, k))
                     if role is None:
                         role = roles[(pname, k)] = param_role(pname, f"optim.{k}")
-                    items.append((v.detach(), name, role))
+                    # optimizer state is made without autograd: no detached view to make
+                    items.append((v.detach() if v.requires_grad else v, name, role))
         self._guard("optimizer-state taps", self.record_many, items, Phase.OPTIM, True)
         return None
