@@ -7,7 +7,8 @@ step's start (`mon.step` entered: the weight taps), the forward (output records,
 registered), the backward (gradient-output records), `opt.step()` (the sentinel, gradient,
 update and optimizer-state taps) and the step's end. The monitored runs also count the rows
 written in each part and time the row backend's own calls apart (the kernel launches on the GPU,
-the pure-torch statistics on the CPU, where `backend="torch"` stands in for the launch); one
+the pure-torch statistics on the CPU, where `backend="torch"` stands in for the launch; the
+gradient sentinel's launch or pure-torch twin too); one
 more step per part counts the Python function calls of that part outside the backend
 (`sys.setprofile`), which do not depend on the machine's speed or load. "host" is the monitor's
 part less the backend's time: the record path's own Python and torch bookkeeping (and ~1 us per
@@ -86,8 +87,9 @@ def _config(kind: str, device: str):
 
 
 def _instrument(mon, clock: _Clock, rows: Counter, inside: Counter) -> None:
-    """Count each part's rows and time the row backend's calls (the kept multi-tensor
-    launches too) into `inside`, on this monitor's buffer only."""
+    """Count each part's rows and time the row backend's calls (the kept multi-tensor and
+    sentinel launches too, and the sentinel's pure-torch twin) into `inside`, on this
+    monitor's buffer only."""
     buf = mon.buffer
 
     def timed(fn):
@@ -101,7 +103,7 @@ def _instrument(mon, clock: _Clock, rows: Counter, inside: Counter) -> None:
                 clock.inside -= 1
         return call
 
-    class _Launch:
+    class _Launch:   # a kept launch, run again on later steps
         def __init__(self, launch):
             self.launch = launch
             self.run = timed(launch.run)
@@ -109,16 +111,20 @@ def _instrument(mon, clock: _Clock, rows: Counter, inside: Counter) -> None:
         def rebind(self, addrs):
             return self.launch.rebind(addrs)
 
-    many = buf.ops.accumulate_many
+    ops = buf.ops
+    many, sentinel = ops.accumulate_many, ops.sentinel_launch
 
     def accumulate_many(ts, out, slots):
         return [(_Launch(lk), src) for lk, src in timed(many)(ts, out, slots)]
-    ops = buf.ops
-    buf.ops = dataclasses.replace(
+
+    def sentinel_launch(grads, out, rows):
+        return _Launch(timed(sentinel)(grads, out, rows))
+    buf.ops = buf.sentinel.ops = dataclasses.replace(
         ops, accumulate=timed(ops.accumulate), accumulate_many=accumulate_many,
         accumulate_each=ops.accumulate_each and timed(ops.accumulate_each),
-        sentinel_launch=ops.sentinel_launch and timed(ops.sentinel_launch))
+        sentinel_launch=sentinel and sentinel_launch)
     buf._accumulate = buf.ops.accumulate
+    buf.sentinel._twin = timed(buf.sentinel._twin)   # the sentinel's pure-torch twin (CPU)
     buf._flush_stage = timed(buf._flush_stage)
     add, add_many = buf.add, buf.add_many
 
