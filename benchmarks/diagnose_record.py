@@ -1,6 +1,11 @@
 """Host time of one record, layer by layer (GPU; a CPU smoke size runs the same layers):
 
     python benchmarks/diagnose_record.py [--calls 3000] [--mib 1]
+    python benchmarks/diagnose_record.py --step every=1 [--steps 10] [--repeats 2]
+
+`--step CONFIG`: a sampled step of the bench_steps.py Llama by part instead (record_step.py):
+each part's training-thread time with and without the monitor, its rows, the row backend's
+time apart, the host time per row and the Python calls.
 
 One bf16 tensor recorded again and again through each layer of the record path, from the
 innermost out: the compiled kernel's own launcher, our direct launch (kernels/launch.py),
@@ -14,10 +19,14 @@ import argparse
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import stabilitywatch as sw
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_steps import config as bench_config  # noqa: E402
 from stabilitywatch.kernels import dispatch
 from stabilitywatch.kernels.backend import kernel_backend
 from stabilitywatch.stats.buffer import Phase, StatsBuffer
@@ -43,8 +52,18 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--mib", type=int, default=1)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--step", default="", metavar="CONFIG",
+                   help="instead: a sampled Llama step by part under this bench_steps.py "
+                        "configuration (every=1, every=1,nocap,nosinks, ...)")
+    p.add_argument("--steps", type=int, default=10, help="with --step: timed steps per run")
+    p.add_argument("--repeats", type=int, default=2, help="with --step: interleaved rounds")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    if a.step:
+        import record_step
+        bench_config(a.step)
+        return record_step.main(a.step, device, device == "cpu", 2 if a.smoke else a.steps,
+                                1 if a.smoke else a.repeats)
     calls = 20 if device == "cpu" else a.calls
     n = a.mib * 2**19 if device == "cuda" else 4096  # a multiple of the tile
     x = torch.randn(n, device=device).to(torch.bfloat16)

@@ -48,7 +48,7 @@ from .schedule import Schedule
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
 from .stats.buffer import Phase, StatsBuffer, StatsFrame
-from .stats.reference import is_supported
+from .stats.reference import SUPPORTED_DTYPES, is_supported
 
 log = logging.getLogger("stabilitywatch")
 
@@ -371,12 +371,16 @@ class Monitor:
 
     def _record(self, t: torch.Tensor, module: str, role: str, phase: int, overwrite: bool,
                 scale: "float | torch.Tensor | None" = None) -> None:
-        if self._step is None or not self._readable(t, module, role):
+        if self._step is None or (t.dtype not in SUPPORTED_DTYPES
+                                  and not self._readable(t, module, role)):
             return
-        t = self.dist.local(t, module, role)   # a DTensor's local shard
-        self.buffer.add(t, module, role, phase,
-                        scale=self._scale_for(role) if scale is None else scale,
-                        overwrite=overwrite)
+        if type(t) is not torch.Tensor:   # a subclass may be a DTensor: its local shard
+            t = self.dist.local(t, module, role)
+        if scale is None:
+            scale = self._scales.get(role)
+            if scale is None:
+                scale = self._scale_for(role)
+        self.buffer.add(t, module, role, phase, scale, overwrite)
 
     def _record_many(self, items: list, phase: int, overwrite: bool) -> None:
         """_record for many (tensor, module, role) at once (the taps over every parameter): the
@@ -384,8 +388,11 @@ class Monitor:
         warning; a failing batch raises (the tap that called it is switched off)."""
         if self._step is None:
             return
-        ready = [(self.dist.local(t, module, role), module, role, self._scale_for(role))
-                 for t, module, role in items if self._readable(t, module, role)]
+        scales, plain, local = self._scales, torch.Tensor, self.dist.local
+        ready = [(t if type(t) is plain else local(t, module, role), module, role,
+                  scales.get(role) or self._scale_for(role))
+                 for t, module, role in items
+                 if t.dtype in SUPPORTED_DTYPES or self._readable(t, module, role)]
         self.buffer.add_many(ready, phase, overwrite)
 
     def _readable(self, t: torch.Tensor, module: str, role: str) -> bool:

@@ -70,6 +70,16 @@ def test_diagnose_record_smoke(capsys):
     assert "| Monitor._record |" in out and "| StatsBuffer.add |" in out
 
 
+def test_diagnose_record_step_smoke(capsys):
+    import diagnose_record
+    assert diagnose_record.main(["--smoke", "--step", "every=1,nocap,nosinks"]) == 0
+    rows = {r.split("|")[1].strip(): r.split("|")[2:-1]
+            for r in capsys.readouterr().out.splitlines() if r.startswith("| ")}
+    assert {"begin", "forward", "backward", "optimizer", "end", "step"} <= set(rows)
+    for part in ("forward", "backward", "optimizer"):   # rows written, calls counted
+        assert float(rows[part][3]) > 0 and int(rows[part][7]) > 0, rows[part]
+
+
 @pytest.mark.interpreter  # its smoke size runs the kernels on CPU tensors
 def test_diagnose_launches_smoke(capsys):
     import diagnose_launches

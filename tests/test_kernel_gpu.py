@@ -370,3 +370,30 @@ def test_gpu_bad_scales_match_reference(dname, sval):
                                                                device="cuda"), sval):
         assert_rows_match(triton_row(x, s), reference_row(x, s),
                           label=f"cuda {dname} scale {sval!r} {type(s).__name__}")
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_gpu_accumulate_direct_path_gives_the_flat_view_rows(dname):
+    """dispatch.accumulate's path for CUDA tensors (no flat_view call for a contiguous plain
+    tensor) writes the rows launch_row_stats(flat_view(t)) writes, for every kind of view."""
+    from stabilitywatch.kernels import dispatch
+    from stabilitywatch.kernels.stats_triton import launch_row_stats
+
+    base = gpu_values(96 * 130 + 7, DTYPES[dname], 5)[:96 * 130].reshape(96, 130)
+    views = {"contiguous": base, "transposed": base.T, "strided": base[:, ::3],
+             "one": base[:1, :1], "empty": base[:0]}
+    if DTYPES[dname] in (torch.float32, torch.bfloat16, torch.float16):
+        views["requires_grad"] = base.clone().requires_grad_()
+    if dname == "fp32":   # a view whose negative bit is set: its memory holds -values
+        views["negative"] = torch.randn(64, 33, dtype=torch.complex64, device="cuda").conj().imag
+        assert views["negative"].is_neg()
+    sums = (Stat.SUM, Stat.SUMSQ, Stat.SHIFT_SUM, Stat.SHIFT_SUMSQ)
+    for name, t in views.items():
+        got, want = init_row_tensor("cuda"), init_row_tensor("cuda")
+        dispatch.accumulate(t, got, 0.5)
+        if t.numel():
+            launch_row_stats(dispatch.flat_view(t), want, 0.5)
+        exact = [i for i in range(got.numel()) if i not in sums]
+        assert torch.equal(got[exact], want[exact]), name
+        assert torch.allclose(got[list(sums)], want[list(sums)], rtol=1e-12, atol=0), name
+        assert_rows_match(got, reference_row(t.detach(), 0.5), label=f"{dname} {name}")

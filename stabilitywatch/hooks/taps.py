@@ -50,6 +50,19 @@ def compiled_model(model: nn.Module) -> bool:
 
 FORWARD_ROLES = frozenset({Role.OUTPUT, Role.INPUT, Role.GRAD_OUTPUT})
 
+def _eager_when_compiling(fn):
+    """fn, entered through its _eager wrapper only while dynamo traces the call (compiled
+    autograd traces tensor hooks): outside tracing the wrapper's several us per call buy
+    nothing."""
+    wrapped = _eager(fn)
+
+    def call(*args):
+        if _compiling():
+            return wrapped(*args)
+        return fn(*args)
+    return call
+
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -107,6 +120,7 @@ class Taps:
         # each parameter's weight and grad roles, made once (the taps run every sampled step)
         self._roles = ([param_role(pn, "weight") for _, pn, _ in self.params],
                        [param_role(pn, "grad") for _, pn, _ in self.params])
+        self._optim_roles: dict[tuple[str, str], str] = {}   # (pname, state name) -> role
 
     # -- attach / detach -------------------------------------------------------------------
     def attach(self) -> None:
@@ -180,9 +194,12 @@ class Taps:
         try:
             fn(*args)
         except Exception as e:
-            self._failed.add(where)
-            log.warning("stabilitywatch: %s failed (%s: %s); that tap is switched off, "
-                        "training goes on", where, type(e).__name__, e)
+            self._fail(where, e)
+
+    def _fail(self, where: str, e: Exception) -> None:
+        self._failed.add(where)
+        log.warning("stabilitywatch: %s failed (%s: %s); that tap is switched off, "
+                    "training goes on", where, type(e).__name__, e)
 
     # -- the taps --------------------------------------------------------------------------
     def weights(self) -> None:
@@ -193,24 +210,37 @@ class Taps:
         self._guard("weight taps", self.record_many, items, Phase.WEIGHT, False)
 
     def _forward_hook(self, name: str):
+        where = f"forward hook of {name!r}"
+
         def eager(mod, args, output):
             want_out, want_in = self.is_on(Role.OUTPUT), self.is_on(Role.INPUT)
             want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
             if not (want_out or want_in or want_grad):
                 return None
-            self._guard(f"forward hook of {name!r}", self._on_forward, name, args, output,
-                        want_out, want_in, want_grad)
+            self._guard(where, self._on_forward, name, args, output, want_out, want_in,
+                        want_grad)
             return None
         eager = _eager(eager)
 
         def hook(mod, args, output):
             is_on = self.is_on
-            if self.traced is not None and _compiling() and not is_on(Role.INPUT):
-                return self._traced_forward(name, output)
-            # most steps read nothing in the forward: answered before any wrapper is entered
-            if not (is_on(Role.OUTPUT) or is_on(Role.INPUT) or is_on(Role.GRAD_OUTPUT)):
+            if _compiling():
+                if self.traced is not None and not is_on(Role.INPUT):
+                    return self._traced_forward(name, output)
+                if not (is_on(Role.OUTPUT) or is_on(Role.INPUT) or is_on(Role.GRAD_OUTPUT)):
+                    return None
+                return eager(mod, args, output)   # dynamo breaks the graph around it
+            # run eagerly: no wrapper to enter (torch._dynamo.disable's costs a few us a call);
+            # most steps read nothing in the forward and return here
+            want_out, want_in = is_on(Role.OUTPUT), is_on(Role.INPUT)
+            want_grad = is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
+            if not (want_out or want_in or want_grad) or where in self._failed:
                 return None
-            return eager(mod, args, output)
+            try:
+                self._on_forward(name, args, output, want_out, want_in, want_grad)
+            except Exception as e:
+                self._fail(where, e)
+            return None
         return hook
 
     def _traced_forward(self, name: str, output) -> None:
@@ -237,7 +267,12 @@ class Taps:
             for suffix, t in inputs:
                 role = "input" if len(inputs) == 1 else "input" + suffix
                 self.record(t.detach(), name, role, Phase.FORWARD, False)
-        for suffix, t in float_tensors(output):
+        if type(output) is torch.Tensor:   # most modules: no walk through a structure
+            found = ((("", output),) if output.is_floating_point() and not output.is_complex()
+                     else ())
+        else:
+            found = float_tensors(output)
+        for suffix, t in found:
             if want_out:
                 self.record(t.detach(), name, "output" + suffix, Phase.FORWARD, False)
             if want_grad and t.requires_grad:
@@ -250,22 +285,26 @@ class Taps:
         return hook
 
     def _make_grad_output_hook(self, name: str, role: str):
-        def hook(grad):
-            if grad is not None:
-                self._guard(f"backward hook of {name!r}", self.record, grad.detach(), name, role,
-                            Phase.BACKWARD, False)
+        where = f"backward hook of {name!r}"
+
+        def body(grad):
+            if grad is not None and where not in self._failed:
+                try:
+                    self.record(grad.detach(), name, role, Phase.BACKWARD, False)
+                except Exception as e:
+                    self._fail(where, e)
             return None
-        return _eager(hook)
+        return _eager_when_compiling(body)
 
     def _grad_hook(self, name: str, pname: str):
         role = param_role(pname, "grad")
+        where = f"gradient tap of {name}.{pname}"
 
         def hook(p):
             if self.is_on(Role.GRAD) and p.grad is not None:
                 # overwrite: the row shows the gradient as accumulated so far, not a sum of sums
-                self._guard(f"gradient tap of {name}.{pname}", self.record, p.grad.detach(),
-                            name, role, Phase.GRAD, True)
-        return _eager(hook)
+                self._guard(where, self.record, p.grad.detach(), name, role, Phase.GRAD, True)
+        return _eager_when_compiling(hook)
 
     def _grads_before_step(self, opt, args, kwargs):
         if self.update is not None:
@@ -298,13 +337,19 @@ class Taps:
         if not self.is_on(Role.OPTIM):
             return None
         items = []
+        get, roles, tensor = opt.state.get, self._optim_roles, torch.Tensor
         for name, pname, p in self.params:
-            state = opt.state.get(p)
+            state = get(p)
             if not state:
                 continue
+            n = p.numel()
             for k, v in state.items():
                 # per-element state only (exp_avg, exp_avg_sq, momentum_buffer...), not `step`
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == p.numel():
-                    items.append((v.detach(), name, param_role(pname, f"optim.{k}")))
+                if isinstance(v, tensor) and v.is_floating_point() and v.numel() == n:
+                    role = roles.get((pname, k))
+                    if role is None:
+                        role = roles[(pname, k)] = param_role(pname, f"optim.{k}")
+                    # optimizer state is made without autograd: no detached view to make
+                    items.append((v.detach() if v.requires_grad else v, name, role))
         self._guard("optimizer-state taps", self.record_many, items, Phase.OPTIM, True)
         return None

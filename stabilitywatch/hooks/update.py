@@ -38,8 +38,7 @@ class UpdateTap:
                 if p.grad is not None and p.is_floating_point()]
         if not keep:
             return
-        ws = [self.local(self.params[k][2].detach(), self.params[k][0], self.roles[k])
-              for k in keep]
+        ws = self._weights(keep)
         # -W_before, in float32 (float64 kept): dW is ~1e-3 of W, a bf16 difference would
         # round it away. One multi-tensor launch for float32 parameters.
         if all(w.dtype == torch.float32 for w in ws):
@@ -49,15 +48,21 @@ class UpdateTap:
                    for w in ws]
         self._before = (keep, neg)
 
+    def _weights(self, keep: list) -> list:
+        params, roles, local, plain = self.params, self.roles, self.local, torch.Tensor
+        ws = [params[k][2].detach() for k in keep]
+        # a subclass may be a DTensor: its local shard
+        return [w if type(w) is plain else local(w, params[k][0], roles[k])
+                for k, w in zip(keep, ws)]
+
     def after(self, opt) -> None:
         if self._before is None:
             return
         keep, neg = self._before
         self._before = None
-        ws = [self.local(self.params[k][2].detach(), self.params[k][0], self.roles[k])
-              for k in keep]
-        torch._foreach_add_(neg, ws)            # W_after - W_before = dW
-        items = [(c, self.params[k][0], self.roles[k]) for k, c in zip(keep, neg)]
+        torch._foreach_add_(neg, self._weights(keep))   # W_after - W_before = dW
+        params, roles = self.params, self.roles
+        items = [(c, params[k][0], roles[k]) for k, c in zip(keep, neg)]
         # overwrite=False: the buffer keeps one launch plan per (phase, overwrite), and the
         # optimizer-state taps hold (OPTIM, True) in the same hook; a shared key would rebuild
         # both plans every sampled step

@@ -55,6 +55,14 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)  # copies (reshape could return a strided 1-D view)
 
 
+def _flat_of(t: torch.Tensor) -> torch.Tensor:
+    # what the kernel launch reads t through: t itself where it is contiguous (the launch
+    # reads its elements from the first, whatever its shape), else flat_view(t)
+    if t.is_contiguous() and not t.requires_grad and not t.is_neg():
+        return t
+    return flat_view(t)
+
+
 def viewable(t: torch.Tensor) -> bool:
     """True when flat_view(t) is a view (it reads t's own memory), not a copy."""
     return not t.is_neg() and (t.is_contiguous() or _dense(t))
@@ -81,6 +89,12 @@ def _kernel_ok(t: torch.Tensor, backend: str) -> bool:
 def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor" = 1.0,
                backend: str = "auto") -> None:
     """Merge the statistics of t into `row` (a float64 device row) without a host sync."""
+    if t.is_cuda and backend != "torch":   # the hooks' path: the fewest checks before the launch
+        mod = _triton_module()
+        if mod is not None and t.dtype in mod.KERNEL_DTYPES:
+            if t.numel():
+                mod.run_row_stats(_flat_of(t), row, scale, None, None)
+            return
     if t.numel() == 0:
         return
     if _kernel_ok(t, backend):

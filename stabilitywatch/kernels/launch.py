@@ -27,14 +27,15 @@ except Exception:  # a Triton without knobs: no launch hooks to pass on
 def _hooks():
     if _knobs is None:
         return None, None
-    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    runtime = _knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     # Triton 3.6 keeps empty hook chains there: passed as None, the launcher skips them and we
     # skip launch_metadata (a dict of every argument, built on each launch)
-    return _live(enter), _live(leave)
-
-
-def _live(hook):
-    return None if hook is None or getattr(hook, "calls", None) == [] else hook
+    if enter is not None and getattr(enter, "calls", None) == []:
+        enter = None
+    if leave is not None and getattr(leave, "calls", None) == []:
+        leave = None
+    return enter, leave
 
 
 class FastLaunch:
@@ -54,8 +55,7 @@ class FastLaunch:
         if self.on:
             # Triton loads and launches on the current device (not the tensors'): so do we
             device = torch.cuda.current_device()
-            key = (device, num_warps, *(_spec(a) for a in args), *constexprs.items(),
-                   *options.items())
+            key = (device, num_warps, *_specs(args), *constexprs.items(), *options.items())
             kernel = self.cache.get(key)
             if kernel is not None and self.run(kernel, grid, device,
                                                (*args, *constexprs.values())):
@@ -108,7 +108,7 @@ class Bound:
         fast = self.fast
         if fast.on:
             device = torch.cuda.current_device()
-            specs = (device, *map(_spec, args))
+            specs = (device, *_specs(args))
             kernel = self.kernels.get(specs)
             if kernel is not None and fast.run(kernel, (grid, 1, 1), device,
                                                (*args, *self.values)):
@@ -120,11 +120,10 @@ class Bound:
                 self.kernels[specs] = kernel
 
 
-def _spec(a):
-    # what Triton specializes a runtime argument on: a tensor's dtype and 16-byte alignment;
-    # ints are passed to do_not_specialize parameters only; floats are never specialized
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, int):  # passed as int32 when it fits, else int64
-        return int, -2**31 <= a < 2**31
-    return type(a)
+def _specs(args: tuple) -> list:
+    # what Triton specializes each runtime argument on: a tensor's dtype and 16-byte alignment;
+    # ints are passed to do_not_specialize parameters only, as int32 when they fit, else int64;
+    # floats are never specialized. One call for all of them: a launch's host time is a few us
+    tensor = torch.Tensor
+    return [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
+            else (int, -2**31 <= a < 2**31) if isinstance(a, int) else type(a) for a in args]

@@ -222,7 +222,8 @@ def launch_row_stats(flat: torch.Tensor, out_row: torch.Tensor,
 def run_row_stats(flat: torch.Tensor, out_row: torch.Tensor, scale: "float | torch.Tensor",
                   tuning: "Tuning | None", tile_kernel: "tuple | None") -> None:
     """launch_row_stats, with another tile kernel where tile_kernel is (jit function, extra
-    constexprs after the kernel's own, its launch.FastLaunch): kernels/_timing.py."""
+    constexprs after the kernel's own, its launch.FastLaunch): kernels/_timing.py. `flat` may
+    also be any contiguous tensor: the kernels read its n elements from its first."""
     n = flat.numel()
     if n == 0:
         return
@@ -296,7 +297,7 @@ class _RowPlan:
         if self.tile is not None:
             self.tile(self.tile_progs, (x, out_row, scale_ptr, scale_val, self.n_full))
         if self.tail is not None:
-            tail = x[self.n_full:] if self.n_full else x
+            tail = (x if x.dim() == 1 else x.view(-1))[self.n_full:] if self.n_full else x
             self.tail(self.tail_progs, (tail, x, out_row, scale_ptr, scale_val, self.n_tail))
 
 

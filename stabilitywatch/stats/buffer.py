@@ -69,13 +69,15 @@ class StatsBuffer:
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
         """Merge t's statistics into the (module, role) row of this step. No host sync."""
-        slot, row = self._prepare(t, module, role, phase, scale, overwrite)
+        device = t.device
+        slot, row = self._prepare(t, module, role, phase, scale, overwrite, device)
         try:
             ops = self.ops
-            s = (ops.host_scale_of(t, self._dev[t.device].rows, scale, self.backend)
-                 if t.device.type == "cpu" and ops.host_scale_of is not None else None)
-            if s is None or not self._stage.put(t, slot, s, self._rows_of):
-                self._accumulate(t, row, scale, self.backend)
+            if device.type == "cpu" and ops.host_scale_of is not None:
+                s = ops.host_scale_of(t, self._dev[device].rows, scale, self.backend)
+                if s is not None and self._stage.put(t, slot, s, self._rows_of):
+                    return
+            self._accumulate(t, row, scale, self.backend)
         except BaseException:
             self._drop([slot])
             raise
@@ -103,13 +105,14 @@ class StatsBuffer:
         ops = self.ops
         sig = many_sig(items)
         plan = self._plans.get((phase, overwrite))
+        touched = self._touched
         if (sig is not None and plan is not None and plan.shape == sig[0]
-                and not any(s in self._touched for s in plan.slots)
+                and touched.keys().isdisjoint(plan.slots)
                 and (plan.addrs == sig[1] or rebind(plan, items, sig[1]))):
             writing += plan.slots
-            n = len(self._touched)
+            n = len(touched)
             for k, slot in enumerate(plan.slots):
-                self._touched[slot] = (phase, n + k)
+                touched[slot] = (phase, n + k)
             for device, launch, _ in plan.launches:
                 self._dev[device].mark(*plan.span)
                 launch.run(self._dev[device].rows)
@@ -160,7 +163,8 @@ class StatsBuffer:
                              for k, slot in singles], self.backend)
 
     def _prepare(self, t: torch.Tensor, module: str, role: str, phase: int, scale,
-                 overwrite: bool) -> tuple[int, torch.Tensor]:
+                 overwrite: bool, device: "torch.device | None" = None
+                 ) -> tuple[int, torch.Tensor]:
         # the slot of (module, role), made on first sight; its row made ready for this write.
         # What can fail (a bad scale, an allocation) runs before the step's bookkeeping changes:
         # a failed call leaves no slot half-made and no row marked as written.
@@ -168,13 +172,19 @@ class StatsBuffer:
         slot = self.slot_of.get(key)
         if slot is None:
             slot = self._new_slot(key, scale, phase)
-        dev = self._rows_on(t.device)
+        if device is None:
+            device = t.device
+        dev = self._dev.get(device)
+        if dev is None:
+            dev = self._rows_on(device)
         if isinstance(scale, torch.Tensor):  # the value is known on the device only
             dev.scale[slot].copy_(scale.detach().reshape(1))
             self.tensor_scaled.add(slot)
-        dev.mark(slot, slot + 1)
+        lo, hi = dev.dirty
+        if not lo <= slot < hi:   # DeviceRows.mark, inline: rows come in slot order mostly
+            dev.dirty = (min(lo, slot), max(hi, slot + 1)) if lo < hi else (slot, slot + 1)
         if self.device_of[slot] is None:
-            self.device_of[slot] = t.device
+            self.device_of[slot] = device
         row = dev.views[slot]
         if slot not in self._touched:
             self._touched[slot] = (phase, len(self._touched))
@@ -200,7 +210,7 @@ class StatsBuffer:
         if self._step is None or not (self._touched or self._untracked or sent):
             self._step = None
             return
-        touched = sorted((ph, seq, slot) for slot, (ph, seq) in self._touched.items())
+        touched = sorted([(ph, seq, slot) for slot, (ph, seq) in self._touched.items()])
         if self._untracked:  # compiled code writes rows without host bookkeeping: read them all
             seen = {slot for _, _, slot in touched}
             touched += [(self.phase_of[s], UNSEEN, s) for s in range(len(self.keys))

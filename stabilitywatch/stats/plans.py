@@ -25,12 +25,14 @@ class ManyPlan:
 def many_sig(items: list) -> Optional[tuple[tuple, tuple]]:
     """(the kinds of the items, their addresses); None: not cacheable (a tensor-valued scale:
     its value is on the device, and reading it would sync)."""
-    if any(isinstance(s, torch.Tensor) for _, _, _, s in items):
+    tensor = torch.Tensor
+    # list comprehensions, not generators: the taps pass hundreds of items every sampled step
+    if [s for _, _, _, s in items if isinstance(s, tensor)]:
         return None
     try:
-        return (tuple((t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
-                      for t, m, r, s in items),
-                tuple(t.data_ptr() for t, _, _, _ in items))
+        return (tuple([(t.numel(), t.stride(), t.dtype, t.device, m, r, float(s))
+                       for t, m, r, s in items]),
+                tuple([t.data_ptr() for t, _, _, _ in items]))
     except (TypeError, RuntimeError, ValueError):
         return None
 
