@@ -102,3 +102,70 @@ def test_compiled_model_follows_the_schedule(tmp_path):
     out_steps = sorted({r["step"] for r in recs if r["tensor"] in ("output", "grad_output")})
     assert out_steps == [0, 3, 6]
     assert sorted({r["step"] for r in recs if r["tensor"] == "loss"}) == list(range(7))
+
+
+def _hf_llama(fp8: bool):
+    # the smallest Llama torchao's float8 training takes (dimensions multiples of 16)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    model = LlamaForCausalLM(cfg)
+    if fp8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True),
+                                   module_filter_fn=lambda mod, name: name != "lm_head")
+    return model
+
+
+def _llama_rows(tmp_path, fp8: bool, backend=None, steps: int = 25):
+    """stats.jsonl rows of `steps` steps under the default Config(), and dynamo's counters."""
+    from torch._dynamo.utils import counters
+    model = _hf_llama(fp8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fwd = torch.compile(model, backend=backend) if backend else model
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    with sw.watch(model, opt, config=sw.Config(), run_dir=tmp_path) as mon:
+        for step in range(steps):
+            with mon.step(step, batch=ids):
+                logits = fwd(input_ids=ids).logits
+                loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
+                                                   ids[:, 1:].reshape(-1))
+                loss.backward()
+                mon.observe_loss(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    assert not mon.taps._failed
+    rows = {(r["step"], r["module"], r["tensor"]): r["stats"]
+            for r in map(json.loads, open(tmp_path / "stats.jsonl")) if "stats" in r}
+    return rows, {k: dict(counters[k]) for k in ("graph_break", "frames", "stats")}
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["float8-emulated", "bf16-free"])
+def test_compiled_hf_llama_default_config_one_graph_per_kind_of_step(tmp_path, fp8):
+    # The default config on a compiled HF Llama (torchao float8 training, emulated on the CPU,
+    # and plain): no graph break, one frame compiled twice at most over 25 steps (a graph for
+    # the steps that read tensors, one for those that do not: nothing guarded on the step
+    # number or per module), and the rows of eager, sampled and unsampled steps alike.
+    # ~20 s: two traces of the model (aot_eager: the backward goes through AOTAutograd too).
+    eager, _ = _llama_rows(tmp_path / "eager", fp8)
+    comp, counts = _llama_rows(tmp_path / "compiled", fp8, backend="aot_eager")
+    assert counts["graph_break"] == {}, counts
+    assert counts["frames"].get("total", 0) <= 2, counts
+    assert counts["stats"].get("unique_graphs", 0) <= 2, counts
+    assert eager.keys() == comp.keys()
+    sampled = {s for s, _, t in comp if t == "output"}
+    assert sampled == set(range(11)) | {20}, sorted(sampled)
+    assert {m for s, m, t in comp if t == "grad_output"} >= {
+        "model.layers.0.mlp.down_proj", "model.embed_tokens", "lm_head"}
+    for key, a in eager.items():
+        b = comp[key]
+        if "numel" not in a:  # derived records (grad_norm, update ratios)
+            assert b == pytest.approx(a, rel=1e-4, abs=1e-12), key
+            continue
+        for k in ("numel", "nan", "posinf", "neginf", "e4m3_overflow"):
+            assert a[k] == b[k], (key, k)
+        for k in ("absmax", "l2norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-12), (key, k)

@@ -35,6 +35,9 @@ def _compiling() -> bool:
     return bool(_is_compiling())
 
 
+# Taps.traced_on on a step whose forward hooks take the eager path even when compiled
+EAGER = "eager"
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -46,6 +49,30 @@ def param_role(pname: str, kind: str) -> str:
     if pname == "weight":
         return {"weight": "weight", "grad": "grad"}.get(kind, kind)
     return {"weight": pname, "grad": f"grad.{pname}"}.get(kind, f"{kind}.{pname}")
+
+
+def _grad_tap(traced):
+    class GradTap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, name, role):
+            ctx.name, ctx.role = name, role
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            traced(grad.detach(), ctx.name, ctx.role, Phase.BACKWARD)
+            return grad, None, None
+    return GradTap
+
+
+def planned_rows(modules: list[tuple[str, nn.Module]]) -> int:
+    """The rows a sampled step of the default roles writes, as the buffer's first capacity:
+    per watched module its output and output gradient, per parameter its weight, gradient,
+    update and two optimizer states (Adam's), and a few rows of the model's own (loss, batch).
+    Rows that grow replace the rows tensor, a recompile for compiled code (a graph is guarded
+    on its shape) and, while dynamo traces, no growth at all (Monitor._traced_slot)."""
+    n = sum(2 + 5 * sum(1 for _ in mod.parameters(recurse=False)) for _, mod in modules)
+    return max(16, n + 16)
 
 
 class Taps:
@@ -62,6 +89,13 @@ class Taps:
         self.is_on = is_on
         # traced(tensor, module, role, phase): the path taken while torch.compile traces a hook
         self.traced = traced
+        # what a compiled forward hook reads this step (begin_step): the only state of the
+        # monitor that compiled code is guarded on
+        self.traced_on: "tuple[bool, bool] | str | None" = None
+        self._grad_tap = _grad_tap(traced) if traced is not None else None
+        # True once torch.compile has traced one of these hooks into a graph: the graphs are
+        # guarded on the forward hooks, so they stay registered on every step from then on
+        self.compiled = False
         self.handles: list = []
         self._failed: set[str] = set()
         # the every-step gradient sentinel (hooks/sentinel.py), set by the Monitor
@@ -144,19 +178,38 @@ class Taps:
         eager = _eager(eager)
 
         def hook(mod, args, output):
-            is_on = self.is_on
-            if self.traced is not None and _compiling() and not is_on(Role.INPUT):
-                return self._traced_forward(name, output)
+            if _compiling():
+                on = self.traced_on   # the compiled graph's one guard of the monitor's state
+                if on is None:
+                    return None
+                if on is not EAGER:
+                    return self._traced_forward(name, output, *on)
             # most steps read nothing in the forward: answered before any wrapper is entered
-            if not (is_on(Role.OUTPUT) or is_on(Role.INPUT) or is_on(Role.GRAD_OUTPUT)):
+            elif not (self.is_on(Role.OUTPUT) or self.is_on(Role.INPUT)
+                      or self.is_on(Role.GRAD_OUTPUT)):
                 return None
             return eager(mod, args, output)
         return hook
 
-    def _traced_forward(self, name: str, output) -> None:
+    def begin_step(self, on: frozenset) -> None:
+        """What compiled forwards read this step (`on`: the step's roles; empty between steps):
+        one value per kind of step, so that a compiled model has a graph for the steps that
+        read nothing in the forward and one for those that do, and no guard on the step."""
+        want = (Role.OUTPUT in on, Role.GRAD_OUTPUT in on)
+        if Role.INPUT in on or self.traced is None:
+            # a module's inputs are read by the eager hook (one graph break per module)
+            self.traced_on = EAGER if (any(want) or Role.INPUT in on) else None
+        else:
+            self.traced_on = want if any(want) else None
+
+    def _traced_forward(self, name: str, output, want_out: bool, want_grad: bool) -> None:
         """Inside torch.compile: records become custom-op calls in the graph (no break)."""
-        want_out = self.is_on(Role.OUTPUT)
-        want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
+        want_grad = want_grad and torch.is_grad_enabled()
+        if want_grad and isinstance(output, torch.Tensor) and output.requires_grad \
+                and output.is_floating_point():
+            if want_out:
+                self.traced(output.detach(), name, "output", Phase.FORWARD)
+            return self._grad_tap.apply(output, name, "grad_output")
         for suffix, t in float_tensors(output):
             if want_out:
                 self.traced(t.detach(), name, "output" + suffix, Phase.FORWARD)
