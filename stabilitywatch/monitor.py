@@ -122,6 +122,7 @@ class Monitor:
                                            self.world_size), queue_size=config.sinks.queue_size,
                                 timeout=config.sinks.timeout,
                                 close_timeout=config.sinks.close_timeout)
+        self._owner = _op.register_owner(self.buffer)   # for compiled backwards (kernels/op.py)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
         # every step: non-finite count, absmax and sum of squares of every gradient
@@ -411,6 +412,10 @@ class Monitor:
         if target is None:
             return
         slot, scale = target
+        if phase == Phase.BACKWARD:   # a compiled backward: the rows are looked up as it runs
+            torch.ops.stabilitywatch.accumulate_slot(t, self._owner, slot, scale,
+                                                     self.config.backend.value)
+            return
         torch.ops.stabilitywatch.accumulate_row(self.buffer.rows_of(t.device), slot, t, scale,
                                                 self.config.backend.value)
 

@@ -52,11 +52,17 @@ def param_role(pname: str, kind: str) -> str:
 
 
 def _grad_tap(traced):
+    """An identity whose backward records the output gradient: how compiled graphs read it.
+    A gradient hook registered in traced code takes torch 2.13 through a speculation that loses
+    the model's own pending attribute writes (HF's KV cache: the model then falls back to
+    eager frame by frame)."""
     class GradTap(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t, name, role):
             ctx.name, ctx.role = name, role
-            return t.view_as(t)
+            # a copy, not a view: the model may write its output in place (ReLU(inplace=True)),
+            # which autograd forbids on a custom Function's view; inductor removes the copy
+            return t.clone()
 
         @staticmethod
         def backward(ctx, grad):
