@@ -431,7 +431,11 @@ class Monitor:
             self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
                             f"{dtype} is not supported; skipped")
             return None
-        return self.buffer.traced_slot(module, role, device, self._scale_for(role), phase)
+        got = self.buffer.traced_slot(module, role, device, self._scale_for(role), phase)
+        if got is None:
+            self._warn_once(f"traced:{module}:{role}", f"{module or '<model>'} {role}: not read "
+                            f"in this compiled graph (its rows are full or on another device)")
+        return got
 
     def _safe_record(self, t, module, role, phase, overwrite) -> None:
         try:
