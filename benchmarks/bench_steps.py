@@ -99,6 +99,11 @@ def run(model, kind, device, smoke, out, profile=None):
     if device == "cuda":
         torch.cuda.empty_cache()
     m, fwd, opt, ids = build(model, device, smoke)
+    compiled = fwd is not m
+    if compiled:   # dynamo's counters of this run: graph breaks, frames compiled
+        from torch._dynamo.utils import counters
+        torch._dynamo.reset()
+        counters.clear()
     cfg = config(kind)
     mon = sw.watch(m, opt, config=cfg, run_dir=out) if cfg is not None else None
     warm, steps = (2, 3) if smoke else (15, 30)
@@ -130,6 +135,10 @@ def run(model, kind, device, smoke, out, profile=None):
     if mon:
         mon.close()
         alerts = len(mon.alerts)
+    if compiled:
+        print(f"# {model} {kind}: graph breaks {sum(counters['graph_break'].values())}, frames "
+              f"{dict(counters['frames'])}, graphs {counters['stats'].get('unique_graphs', 0)}",
+              flush=True)
     return ms, prof, alerts
 
 

@@ -35,7 +35,7 @@ from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
-from .hooks.taps import FORWARD_ROLES, Taps, _eager, compiled_model
+from .hooks.taps import FORWARD_ROLES, Taps, compiled_model, planned_rows
 from .incidents import CAUSES, Incidents, change_records, is_change_point
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .kernels.backend import kernel_backend
@@ -51,6 +51,9 @@ from .stats.buffer import Phase, StatsBuffer, StatsFrame
 from .stats.reference import SUPPORTED_DTYPES, is_supported
 
 log = logging.getLogger("stabilitywatch")
+# a method dynamo calls on the host while it traces, its answer a constant of the graph
+_assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result",
+                           lambda fn: fn)
 
 
 class Monitor:
@@ -96,7 +99,7 @@ class Monitor:
         self.modules = select_modules(model, config)
         self.schedule = Schedule(config)
         self.buffer = StatsBuffer(kernel_backend(config.backend.value),
-                                  capacity=max(16, 8 * len(self.modules) + 8))
+                                  capacity=planned_rows(self.modules))
         self.detectors = build_detectors(config, optimizer, self.modules)
         # torch.distributed: DTensor shards, lockstep cross-rank flushes, replica divergence
         # (distributed/coordinator.py); a pass-through in a single process
@@ -120,7 +123,7 @@ class Monitor:
                                            self.world_size), queue_size=config.sinks.queue_size,
                                 timeout=config.sinks.timeout,
                                 close_timeout=config.sinks.close_timeout)
-        self._record_eager = _eager(self._record)
+        self._owner = _op.register_owner(self.buffer)   # for compiled backwards (kernels/op.py)
         self.taps = Taps(self.modules, optimizer, self._record, self._is_on, self._record_traced,
                          self._record_many)
         # every step: non-finite count, absmax and sum of squares of every gradient
@@ -310,10 +313,13 @@ class Monitor:
         self._boundary()
         self._step = step
         self._on = self.schedule.roles_at(step)
-        # compiled code wrote rows last step: it traced the forward hooks, which stay
-        self.taps.keep_forward = self.taps.keep_forward or self.buffer.untracked
+        self.taps.begin_step(self._on)
+        # compiled code traced the forward hooks: they stay (its graphs are guarded on them)
+        self.taps.keep_forward = self.taps.keep_forward or self.taps.compiled
         self.taps.set_forward(bool(self._on & FORWARD_ROLES))
         self.buffer.begin_step(step)
+        if self.taps.compiled and self.taps.traced_on is not None:
+            self.buffer.mark_untracked()   # compiled graphs write rows the host does not see
         self.sentinel.begin()
         self.inplace.begin(batch)
         # the batch is the model's input (module ""): a NaN already in the data is named so
@@ -334,6 +340,7 @@ class Monitor:
             self._warn_once("end_step", f"reading the step's rows failed ({type(e).__name__}: {e})")
         self._step = None
         self._on = frozenset()
+        self.taps.begin_step(self._on)
         self.extras.end_step()
         if self.inplace.on and self.buffer.pending > queued:
             self.inplace.wait(self.buffer.last_pending())
@@ -410,16 +417,37 @@ class Monitor:
         return scale
 
     def _record_traced(self, t: torch.Tensor, module: str, role: str, phase: int) -> None:
-        """The record path traced by torch.compile: a custom-op call on the step's rows. A slot
-        seen for the first time is made by the eager path (one graph break, then a recompile
-        finds it)."""
-        self.buffer.mark_untracked()  # runs at trace time: from now on every row is read
-        target = self.buffer.traced_target(module, role, t.device)
-        if target is None or not is_supported(t) or self._step is None:
-            self._record_eager(t, module, role, phase, False)
+        """The record path traced by torch.compile: a custom-op call on the step's rows, the
+        slot a constant of the graph (made while tracing): no graph break, no guard on the
+        slot table."""
+        target = self._traced_slot(module, role, t.dtype, t.device, phase)
+        if target is None:
             return
-        rows, slot, scale = target
-        torch.ops.stabilitywatch.accumulate_row(rows, slot, t, scale, self.config.backend.value)
+        slot, scale = target
+        if phase == Phase.BACKWARD:   # a compiled backward: the rows are looked up as it runs
+            torch.ops.stabilitywatch.accumulate_slot(t, self._owner, slot, scale,
+                                                     self.config.backend.value)
+            return
+        torch.ops.stabilitywatch.accumulate_row(self.buffer.rows_of(t.device), slot, t, scale,
+                                                self.config.backend.value)
+
+    @_assume_constant
+    def _traced_slot(self, module: str, role: str, dtype: torch.dtype, device: torch.device,
+                     phase: int):
+        # runs on the host at trace time (its answer is a constant of the graph); from now on
+        # the steps whose graphs read tensors read every row (_begin), this one too. A dtype
+        # the statistics do not read warns here once, and the graph leaves that tensor out.
+        self.taps.compiled = True
+        self.buffer.mark_untracked()
+        if dtype not in SUPPORTED_DTYPES:
+            self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
+                            f"{dtype} is not supported; skipped")
+            return None
+        got = self.buffer.traced_slot(module, role, device, self._scale_for(role), phase)
+        if got is None:
+            self._warn_once(f"traced:{module}:{role}", f"{module or '<model>'} {role}: not read "
+                            f"in this compiled graph (its rows are full or on another device)")
+        return got
 
     def _safe_record(self, t, module, role, phase, overwrite) -> None:
         try:

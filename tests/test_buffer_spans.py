@@ -119,8 +119,8 @@ def test_kept_launches_and_overwrites_across_steps(backend):
 
 
 def test_rows_written_unseen_by_compiled_code_are_reset():
-    # compiled code writes rows through the custom op, without the host's bookkeeping: once it
-    # has, every row is reset and read at each step
+    # compiled code writes rows through the custom op, without the host's bookkeeping: a step
+    # in which it has (its graph marks the step) reads every row, and the next step resets them
     buf = StatsBuffer()
     buf.begin_step(0)
     x = _t(0)
@@ -128,14 +128,24 @@ def test_rows_written_unseen_by_compiled_code_are_reset():
     buf.add(_t(1), "b", "output", 0)
     buf.end_step()
     _check(_frame(buf), {("a", "output"): x, ("b", "output"): _t(1)})
-    buf.mark_untracked()  # what monitor.py calls while dynamo traces a hook
     for step, seed in ((1, 2), (2, 3)):
         buf.begin_step(step)
-        rows, slot, scale = buf.traced_target("b", "output", torch.device("cpu"))
+        buf.mark_untracked()  # what the monitor does on a step its compiled graphs read
+        slot, scale = buf.traced_slot("b", "output", torch.device("cpu"), 1.0, 0)
         y = _t(seed)
-        accumulate(y, rows[slot], scale, "torch")
+        accumulate(y, buf.rows_of(torch.device("cpu"))[slot], scale, "torch")
         buf.end_step()
         _check(_frame(buf), {("b", "output"): y})  # b alone, and no trace of the last step
+    # a slot first seen by compiled code is made on the host while it traces
+    slot, _ = buf.traced_slot("c", "grad_output", torch.device("cpu"), 1.0, 1)
+    assert buf.keys[slot] == ("c", "grad_output") and buf.phase_of[slot] == 1
+    # an unsampled step (its graph writes nothing, no mark): the rows the last compiled step
+    # wrote are reset, and only what the host wrote is read
+    buf.begin_step(3)
+    z = _t(4)
+    buf.add(z, "a", "output", 0)
+    buf.end_step()
+    _check(_frame(buf), {("a", "output"): z})
 
 
 def test_the_buffer_takes_a_row_backend_not_a_name():

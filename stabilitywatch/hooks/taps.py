@@ -50,6 +50,7 @@ def compiled_model(model: nn.Module) -> bool:
 
 FORWARD_ROLES = frozenset({Role.OUTPUT, Role.INPUT, Role.GRAD_OUTPUT})
 
+
 def _eager_when_compiling(fn):
     """fn, entered through its _eager wrapper only while dynamo traces the call (compiled
     autograd traces tensor hooks): outside tracing the wrapper's several us per call buy
@@ -63,6 +64,9 @@ def _eager_when_compiling(fn):
     return call
 
 
+# Taps.traced_on on a step whose forward hooks take the eager path even when compiled
+EAGER = "eager"
+
 # record(tensor, module, role, phase, overwrite) and is_on(role) come from the Monitor
 Record = Callable[[torch.Tensor, str, str, int, bool], None]
 IsOn = Callable[[Role], bool]
@@ -74,6 +78,36 @@ def param_role(pname: str, kind: str) -> str:
     if pname == "weight":
         return {"weight": "weight", "grad": "grad"}.get(kind, kind)
     return {"weight": pname, "grad": f"grad.{pname}"}.get(kind, f"{kind}.{pname}")
+
+
+def _grad_tap(traced):
+    """An identity whose backward records the output gradient: how compiled graphs read it.
+    A gradient hook registered in traced code takes torch 2.13 through a speculation that loses
+    the model's own pending attribute writes (HF's KV cache: the model then falls back to
+    eager frame by frame)."""
+    class GradTap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, name, role):
+            ctx.name, ctx.role = name, role
+            # a copy, not a view: the model may write its output in place (ReLU(inplace=True)),
+            # which autograd forbids on a custom Function's view; inductor removes the copy
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            traced(grad.detach(), ctx.name, ctx.role, Phase.BACKWARD)
+            return grad, None, None
+    return GradTap
+
+
+def planned_rows(modules: list[tuple[str, nn.Module]]) -> int:
+    """The rows a sampled step of the default roles writes, as the buffer's first capacity:
+    per watched module its output and output gradient, per parameter its weight, gradient,
+    update and two optimizer states (Adam's), and a few rows of the model's own (loss, batch).
+    Rows that grow replace the rows tensor, a recompile for compiled code (a graph is guarded
+    on its shape) and, while dynamo traces, no growth at all (Monitor._traced_slot)."""
+    n = sum(2 + 5 * sum(1 for _ in mod.parameters(recurse=False)) for _, mod in modules)
+    return max(16, n + 16)
 
 
 class Taps:
@@ -90,6 +124,13 @@ class Taps:
         self.is_on = is_on
         # traced(tensor, module, role, phase): the path taken while torch.compile traces a hook
         self.traced = traced
+        # what a compiled forward hook reads this step (begin_step): the only state of the
+        # monitor that compiled code is guarded on
+        self.traced_on: "tuple[bool, bool] | str | None" = None
+        self._grad_tap = _grad_tap(traced) if traced is not None else None
+        # True once torch.compile has traced one of these hooks into a graph: the graphs are
+        # guarded on the forward hooks, so they stay registered on every step from then on
+        self.compiled = False
         self.handles: list = []
         self._failed: set[str] = set()
         # the forward hooks, made once; in eager mode they are registered only for steps that
@@ -223,15 +264,16 @@ class Taps:
         eager = _eager(eager)
 
         def hook(mod, args, output):
-            is_on = self.is_on
             if _compiling():
-                if self.traced is not None and not is_on(Role.INPUT):
-                    return self._traced_forward(name, output)
-                if not (is_on(Role.OUTPUT) or is_on(Role.INPUT) or is_on(Role.GRAD_OUTPUT)):
+                on = self.traced_on   # the compiled graph's one guard of the monitor's state
+                if on is None:
                     return None
+                if on is not EAGER:
+                    return self._traced_forward(name, output, *on)
                 return eager(mod, args, output)   # dynamo breaks the graph around it
             # run eagerly: no wrapper to enter (torch._dynamo.disable's costs a few us a call);
             # most steps read nothing in the forward and return here
+            is_on = self.is_on
             want_out, want_in = is_on(Role.OUTPUT), is_on(Role.INPUT)
             want_grad = is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
             if not (want_out or want_in or want_grad) or where in self._failed:
@@ -243,10 +285,25 @@ class Taps:
             return None
         return hook
 
-    def _traced_forward(self, name: str, output) -> None:
+    def begin_step(self, on: frozenset) -> None:
+        """What compiled forwards read this step (`on`: the step's roles; empty between steps):
+        one value per kind of step, so that a compiled model has a graph for the steps that
+        read nothing in the forward and one for those that do, and no guard on the step."""
+        want = (Role.OUTPUT in on, Role.GRAD_OUTPUT in on)
+        if Role.INPUT in on or self.traced is None:
+            # a module's inputs are read by the eager hook (one graph break per module)
+            self.traced_on = EAGER if (any(want) or Role.INPUT in on) else None
+        else:
+            self.traced_on = want if any(want) else None
+
+    def _traced_forward(self, name: str, output, want_out: bool, want_grad: bool) -> None:
         """Inside torch.compile: records become custom-op calls in the graph (no break)."""
-        want_out = self.is_on(Role.OUTPUT)
-        want_grad = self.is_on(Role.GRAD_OUTPUT) and torch.is_grad_enabled()
+        want_grad = want_grad and torch.is_grad_enabled()
+        if want_grad and isinstance(output, torch.Tensor) and output.requires_grad \
+                and output.is_floating_point():
+            if want_out:
+                self.traced(output.detach(), name, "output", Phase.FORWARD)
+            return self._grad_tap.apply(output, name, "grad_output")
         for suffix, t in float_tensors(output):
             if want_out:
                 self.traced(t.detach(), name, "output" + suffix, Phase.FORWARD)

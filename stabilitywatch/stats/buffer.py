@@ -46,7 +46,8 @@ class StatsBuffer:
         self.phase_of, self.tensor_scaled = self.slots.phase_of, self.slots.tensor_scaled
         self._dev: dict[torch.device, DeviceRows] = {}
         self._touched: dict[int, tuple[int, int]] = {}
-        # set when compiled code may have written rows the host did not see (see traced_target)
+        # set during a step in which compiled code may have written rows the host did not see
+        # (mark_untracked): that step reads every row, and the next one resets them all
         self._untracked = False
         self._pending: list[Pending] = []
         self._step: Optional[int] = None
@@ -65,6 +66,7 @@ class StatsBuffer:
         # all took a device copy per step. Compiled code writes rows unseen: all of them.
         for d in self._dev.values():
             d.reset(every_row=self._untracked)
+        self._untracked = False
 
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
@@ -73,11 +75,10 @@ class StatsBuffer:
         slot, row = self._prepare(t, module, role, phase, scale, overwrite, device)
         try:
             ops = self.ops
-            if device.type == "cpu" and ops.host_scale_of is not None:
-                s = ops.host_scale_of(t, self._dev[device].rows, scale, self.backend)
-                if s is not None and self._stage.put(t, slot, s, self._rows_of):
-                    return
-            self._accumulate(t, row, scale, self.backend)
+            s = (ops.host_scale_of(t, self._dev[device].rows, scale, self.backend)
+                 if device.type == "cpu" and ops.host_scale_of is not None else None)
+            if s is None or not self._stage.put(t, slot, s, self.rows_of):
+                self._accumulate(t, row, scale, self.backend)
         except BaseException:
             self._drop([slot])
             raise
@@ -97,8 +98,8 @@ class StatsBuffer:
             raise
 
     def mark_untracked(self) -> None:
-        """Compiled code writes rows from now on (the custom op, traced_target) without the
-        host's bookkeeping: every step resets and reads every row."""
+        """Compiled code writes rows this step (the custom op on traced_slot's rows) without the
+        host's bookkeeping: the step reads every row and the next one resets them all."""
         self._untracked = True
 
     def _add_many(self, items: list, phase: int, overwrite: bool, writing: list) -> None:
@@ -263,14 +264,26 @@ class StatsBuffer:
         carry none: the monitor finds this rank's here)."""
         return self._recent.get(step)
 
-    def traced_target(self, module: str, role: str, device: torch.device):
-        """(rows, slot, scale) for a record made from compiled code, or None when the slot or
-        the device's rows do not exist yet (the eager path then creates them)."""
+    def traced_slot(self, module: str, role: str, device: torch.device, scale: float,
+                    phase: int) -> Optional[tuple[int, float]]:
+        """(slot, scale) of (module, role) for a record made from compiled code, the slot and
+        the device's rows made on first sight; None when the slot's rows live on another
+        device. Runs on the host while torch.compile traces (the answer is a constant of the
+        graph): compiled code never depends on the slot table, so it is not guarded on it.
+        None as well for a new slot when the rows are full (they cannot grow while a graph that
+        holds them is traced)."""
         slot = self.slot_of.get((module, role))
-        dev = self._dev.get(device)
-        if slot is None or dev is None or self.device_of[slot] != device:
+        if slot is None:
+            if self.slots.grown_capacity() is not None:
+                # the graph traced so far holds the rows tensor that growing would replace
+                return None
+            slot = self._new_slot((module, role), scale, phase)
+        self._rows_on(device)
+        if self.device_of[slot] is None:
+            self.device_of[slot] = device
+        if self.device_of[slot] != device:
             return None
-        return dev.rows, slot, self.scales[slot]
+        return slot, self.scales[slot]
 
     def _new_slot(self, key: tuple[str, str], scale, phase: int = 0) -> int:
         # every step that can fail (the scale's value, growing the rows) comes before the slot
@@ -285,7 +298,8 @@ class StatsBuffer:
             self.slots.capacity = capacity
         return self.slots.add(key, scale, phase)
 
-    def _rows_of(self, device: torch.device) -> torch.Tensor:
+    def rows_of(self, device: torch.device) -> torch.Tensor:
+        """The rows of `device` (compiled code asks for them after traced_slot made them)."""
         return self._dev[device].rows
 
     def _flush_stage(self) -> None:
@@ -295,7 +309,7 @@ class StatsBuffer:
             return
         slots = self._stage.slots()
         try:
-            self._stage.flush(self._rows_of)
+            self._stage.flush(self.rows_of)
         except Exception as e:
             log.warning("stabilitywatch: the statistics of %d CPU tensors failed (%s: %s); their "
                         "rows are left out of this step", len(slots), type(e).__name__, e)

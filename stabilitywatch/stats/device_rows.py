@@ -17,6 +17,7 @@ class DeviceRows:
         self.init = init_row_tensor(device, capacity)
         self.pinned_pool: list[torch.Tensor] = []
         self.events: list = []   # CUDA events of read steps, recorded again (none made per step)
+        self.retired: list[torch.Tensor] = []   # rows replaced by grow()
         # rows [lo, hi) may hold writes since their last reset; the rest hold the identity row
         self.dirty = (0, 0)
 
@@ -34,7 +35,10 @@ class DeviceRows:
         self.views[slot].copy_(self.init[slot])
 
     def grow(self, capacity: int) -> None:
-        # keep rows already written this step (device copy, no sync)
+        # keep rows already written this step (device copy, no sync). The old rows stay
+        # allocated: a CUDA graph that captured a compiled backward's record writes them (where
+        # nothing reads it) until it is recorded again, never memory handed to something else
+        self.retired.append(self.rows)
         rows = _static(init_row_tensor(self.device, capacity))
         rows[: self.rows.shape[0]].copy_(self.rows)
         scale = torch.ones(capacity, 1, dtype=ROW_DTYPE, device=self.device)
