@@ -17,6 +17,7 @@ import torch
 
 from .backend import TORCH, RowBackend
 from .sentinel import COLS, DTYPE, SentinelFrame, sentinel_reference
+from .sentinel_cpu import host_ok, sentinel_host
 
 
 class _DevSentinel:
@@ -132,7 +133,7 @@ class SentinelStore:
         for device, launch, _ in plan.launches:
             launch.run(self._dev[device].out)
         for device, ks in plan.rest.items():
-            sentinel_reference([grads[k] for k in ks], self._dev[device].out, ks)
+            self._twin_on(device, [grads[k] for k in ks], ks)
         return True
 
     def flag(self, device: torch.device) -> torch.Tensor:
@@ -236,8 +237,17 @@ class SentinelStore:
 
     def _twin(self, items: list, rest: dict) -> None:
         for device, ks in rest.items():
-            sentinel_reference([items[k][1] for k in ks], self._dev[device].out,
-                               [items[k][0] for k in ks])
+            self._twin_on(device, [items[k][1] for k in ks], [items[k][0] for k in ks])
+
+    def _twin_on(self, device: torch.device, grads: list, rows: list) -> None:
+        # CPU gradients are read in numpy (stats/sentinel_cpu.py); backend "torch" asks for
+        # the pure-torch twin itself, as traced code does
+        out = self._dev[device].out
+        if (device.type == "cpu" and self.ops.name != "torch" and not _compiling()
+                and all(host_ok(g) for g in grads)):
+            sentinel_host(grads, out, rows)
+        else:
+            sentinel_reference(grads, out, rows)
 
     @staticmethod
     def _rebind(plan: _Plan, items: list, addrs: tuple) -> bool:
@@ -246,6 +256,11 @@ class SentinelStore:
                 return False
         plan.addrs = addrs
         return True
+
+
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn and fn())
 
 
 def _signature(items: list):
