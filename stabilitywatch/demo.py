@@ -125,12 +125,20 @@ class DemoResult:
     ms_per_step_unmonitored: Optional[float] = None
 
 
+# read at the default cadence, not every step: the faults are caught in the weights and outputs
+SPARSE_ROLES = {"grad_output": 10, "grad": 10, "optim": 10}
+
+
 def demo_config() -> Config:
-    # every step, outputs judged as if cast to E4M3 (the FP8 forward format); the faults are
-    # weight writes whose steps are not skipped, so the walk-through's bundles take their
-    # start-of-step state from the "sampled" snapshots (a small model: cheap here)
-    return Config(every=1, formats={"output": "e4m3"}, sinks=("jsonl", "console"),
-                  capture={"snapshot": "sampled"})
+    # outputs judged as if cast to E4M3 (the FP8 forward format). The faults are weight writes:
+    # the physics check sees them in weights read on consecutive steps, the overflow and
+    # non-finite checks in the outputs, so both are read every step; the gradients (their
+    # NaN/Inf and norms are the sentinel's every step), the outputs' gradients and the optimizer
+    # state every 10th step, and every role once an alert has fired (escalation). The faulty
+    # steps are not skipped, so the walk-through's bundles take their start-of-step state from
+    # the "sampled" snapshots (a small model: cheap here)
+    return Config(every=1, role_every=SPARSE_ROLES, formats={"output": "e4m3"},
+                  sinks=("jsonl", "console"), capture={"snapshot": "sampled"})
 
 
 def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, steps: int = 40,

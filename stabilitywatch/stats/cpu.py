@@ -47,11 +47,13 @@ class _Work(NamedTuple):
     inf: int         # bit pattern of +inf
     neginf: int      # ... of -inf, as the signed integer
     mag: int         # every bit but the sign
+    mant: int        # the mantissa field
 
 
-_F32 = _Work(np.float32, np.int32, np.uint32, 23, 127, 256, 0x7F800000, -0x00800000, 0x7FFFFFFF)
+_F32 = _Work(np.float32, np.int32, np.uint32, 23, 127, 256, 0x7F800000, -0x00800000, 0x7FFFFFFF,
+             (1 << 23) - 1)
 _F64 = _Work(np.float64, np.int64, np.uint64, 52, 1023, 2048, 0x7FF0000000000000,
-             -0x0010000000000000, 0x7FFFFFFFFFFFFFFF)
+             -0x0010000000000000, 0x7FFFFFFFFFFFFFFF, (1 << 52) - 1)
 
 
 class _Thresholds(NamedTuple):
@@ -193,13 +195,27 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
     occupied = ecount.any(axis=0)
 
+    def count(op, t):
+        # [nseg]: values with op(|x| bits, t); one pass, a second only when some value counts
+        hit = np.count_nonzero(op(ab, t, out=mask))
+        if not hit or seg is None:
+            return np.full(nseg, float(hit))
+        return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
+
     def above_x(tbits):
-        # above_of(ab, tbits), from the exponent counts where no value shares T's exponent
+        # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
+        # T's own exponent above T. None are when T is its exponent's largest pattern; when T
+        # is the smallest, all are but those equal to T (one equality pass, most often empty)
         e_t = tbits >> w.exp_shift
         res = beyond[:, e_t]
-        need = np.flatnonzero(occupied[e_t])
-        if need.size:
-            res[:, need] = above_of(ab, tbits[need])
+        for j in np.flatnonzero(occupied[e_t]):
+            m = int(tbits[j]) & w.mant
+            if m == w.mant:
+                continue
+            if m == 0:
+                res[:, j] += ecount[:, e_t[j]] - count(np.equal, tbits[j])
+            else:
+                res[:, j] = count(np.greater, tbits[j])
         return res
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
@@ -262,16 +278,23 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     np.copyto(d, x)
     if not clean:
         np.copyto(d, 0.0, where=~mask)
-    np.multiply(d, d, out=sq)
-    out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
-    np.subtract(d, k[0] if seg is None else np.repeat(k, sizes), out=d)
-    if not clean:
-        np.copyto(d, 0.0, where=~mask)
-    np.multiply(d, d, out=sq)
+    if seg is None:
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = _dots(d, _ONES)
+        np.subtract(d, k[0], out=d)
+        if not clean:
+            np.copyto(d, 0.0, where=~mask)
+        out[0, Stat.SHIFT_SUMSQ] = _dots(d)[1]
+    else:
+        np.multiply(d, d, out=sq)
+        out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
+        np.subtract(d, np.repeat(k, sizes), out=d)
+        if not clean:
+            np.copyto(d, 0.0, where=~mask)
+        np.multiply(d, d, out=sq)
+        out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
     out[:, Stat.SHIFT] = k
     # the shifted sum as the kernels take it, SUM - n K (its square sum needs its own pass)
     out[:, Stat.SHIFT_SUM] = out[:, Stat.SUM] - fnz_all * k
-    out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
 
     # fingerprint: the low and high 16 bits of each (32-bit, NaN canonical) pattern, summed in
     # float64 (exact: each term is below 2^16)
@@ -293,6 +316,24 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     np.copyto(d, t, casting="unsafe")
     out[:, Stat.BITS_HI] = per_seg(d)
     return out
+
+
+# values per float64 dot: OpenBLAS runs a dot this short on the calling thread (it may split
+# longer ones over threads of its own); one dot reads its chunk once, where a product and a sum
+# read and write it three times
+DOT = 8192
+_ONES = np.ones(DOT)
+
+
+def _dots(d: np.ndarray, ones: "np.ndarray | None" = None) -> tuple:
+    """(sum of d, sum of d^2) of a float64 array (the sum only when `ones` is given)."""
+    s1 = s2 = 0.0
+    for i in range(0, d.size, DOT):
+        c = d[i: i + DOT]
+        if ones is not None:
+            s1 += float(np.dot(c, ones[: c.size]))
+        s2 += float(np.dot(c, c))
+    return s1, s2
 
 
 def _shift(first: np.ndarray) -> np.ndarray:

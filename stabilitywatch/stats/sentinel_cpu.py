@@ -13,12 +13,9 @@ import threading
 import numpy as np
 import torch
 
-from .cpu import host_view
+from .cpu import DOT, host_view
 from .sentinel import C_ABSMAX, C_NAN, C_NONFINITE, C_SUMSQ
 
-# values per float64 dot: the copy stays in L1/L2, and OpenBLAS runs a dot this short on the
-# calling thread (longer ones it may split over its own threads)
-DOT = 8192
 _DIRECT = (torch.float32, torch.float64)
 
 _local = threading.local()
