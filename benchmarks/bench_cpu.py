@@ -1,5 +1,6 @@
 """What the monitor costs on the CPU, in one run: tensor_stats per dtype, a small HF GPT-2 with the
-default config and preset("full") against no monitor, and the demo against no monitor.
+default config and preset("full") against no monitor, and the demo (its model, loop and
+`demo_config()`) against no monitor.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cpu.py [--steps 30] [--repeats 3] [--threads 1]
 
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
         d = interleaved({
             "no monitor": lambda: run_demo(f"{tmp}/{next(n)}", device="cpu", steps=a.steps + 2,
                                            fault_step=10**9, monitor=False).ms_per_step,
-            "demo config (every step)": lambda: run_demo(f"{tmp}/{next(n)}", device="cpu",
+            "demo config": lambda: run_demo(f"{tmp}/{next(n)}", device="cpu",
                                                          steps=a.steps + 2, fault_step=10**9,
                                                          ).ms_per_step,
         }, a.repeats)
