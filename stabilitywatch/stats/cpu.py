@@ -1,7 +1,7 @@
 """Statistics rows of CPU tensors in a few vectorised passes: the CPU path.
 
 stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value goes through
-~25 numpy passes over chunks that stay in cache, and many small tensors share the same passes
+~20 numpy passes over chunks that stay in cache, and many small tensors share the same passes
 (one concatenation; per-tensor results by reduceat and by bincount over segments). The numbers
 are the reference's: counts, extrema, histogram and fingerprint bit for bit, sums to rounding
 (float64, another summation order).
@@ -13,8 +13,8 @@ and one bincount counts the classes. The exponent histogram is a bincount of the
 field: zeros land in its first bin and Inf/NaN in its last, and their counts come back out.
 
 Values work in float32 (float64 tensors in float64), as in the reference. numpy runs on the
-calling thread (no BLAS call: BLAS would start threads of its own); the upcast to float32 runs
-in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
+calling thread (its BLAS dots are short enough that OpenBLAS does not split them over its own
+threads); the upcast to float32 runs in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import torch
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, init_row, merge_rows
 from .reference import SUPPORTED_DTYPES
+from .cpu_merge import merge_at, merge_host  # noqa: F401 (the CPU path's row merges)
+from .cpu_sums import ONES, dots, halves
 from .scale import effective_scale
 
 # values per pass: a float32 chunk and its float64 copies stay in L2
@@ -280,11 +282,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     if not clean:
         np.copyto(d, 0.0, where=~mask)
     if seg is None:
-        out[0, Stat.SUM], out[0, Stat.SUMSQ] = _dots(d, _ONES)
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = dots(d, ONES)
         np.subtract(d, k[0], out=d)
         if not clean:
             np.copyto(d, 0.0, where=~mask)
-        out[0, Stat.SHIFT_SUMSQ] = _dots(d)[1]
+        out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
     else:
         np.multiply(d, d, out=sq)
         out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
@@ -305,7 +307,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     if out[:, Stat.NAN].any():
         u = np.where(ab > w.inf, np.array(0x7FC00000, dtype=w.uint), u)
     if seg is None and w is _F32 and n <= 1 << 17:
-        out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = _halves(u, sc)
+        out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = halves(u, sc.words)
         return out
     t = tmp.view(w.uint)
     np.bitwise_and(u, w.uint(0xFFFF), out=t)
@@ -320,50 +322,6 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     np.copyto(d, t, casting="unsafe")
     out[:, Stat.BITS_HI] = per_seg(d)
     return out
-
-
-_LANES = np.uint64(0x0000FFFF0000FFFF)
-
-
-def _halves(u: np.ndarray, sc: _Scratch) -> tuple:
-    """(sum of the low 16 bits, sum of the high 16 bits) of up to 2^17 uint32 patterns, exact.
-    Read as uint64 words of two patterns, masked to the two halves wanted, each sum has a 32-bit
-    lane of its own (below 2^16 x 2^16: no carry crosses), in native uint64 adds."""
-    odd = u.size & 1
-    words = u[: u.size - odd].view(np.uint64)
-    t = sc.words[: words.size]
-    lo_hi = []
-    for shift in (0, 16):
-        src = words
-        if shift:
-            np.right_shift(words, np.uint64(shift), out=t)
-            src = t
-        np.bitwise_and(src, _LANES, out=t)
-        total = int(np.add.reduce(t))
-        lo_hi.append((total & 0xFFFFFFFF) + (total >> 32))
-    if odd:
-        last = int(u[-1])
-        lo_hi[0] += last & 0xFFFF
-        lo_hi[1] += last >> 16
-    return lo_hi[0], lo_hi[1]
-
-
-# values per float64 dot: OpenBLAS runs a dot this short on the calling thread (it may split
-# longer ones over threads of its own); one dot reads its chunk once, where a product and a sum
-# read and write it three times
-DOT = 8192
-_ONES = np.ones(DOT)
-
-
-def _dots(d: np.ndarray, ones: "np.ndarray | None" = None) -> tuple:
-    """(sum of d, sum of d^2) of a float64 array (the sum only when `ones` is given)."""
-    s1 = s2 = 0.0
-    for i in range(0, d.size, DOT):
-        c = d[i: i + DOT]
-        if ones is not None:
-            s1 += float(np.dot(c, ones[: c.size]))
-        s2 += float(np.dot(c, c))
-    return s1, s2
 
 
 def _shift(first: np.ndarray) -> np.ndarray:
@@ -444,41 +402,3 @@ def _large(t: torch.Tensor, scale: float) -> np.ndarray:
     parts = [_rows(_load([flat[i: i + CHUNK]], w, sc), zero, k, scale, w, sc)[0]
              for i in range(0, flat.numel(), CHUNK)]
     return merge_rows(np.stack(parts))
-
-
-def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[i] <- merge(dst[i], src[i]) for host rows stacked along axis 0, in place: the same
-    merge as layout.merge_into (dst keeps its shift when it has one, else takes src's)."""
-    kd, ks = dst[:, Stat.SHIFT], src[:, Stat.SHIFT]
-    if not dst[:, Stat.NUMEL].any() and np.all((kd == 0) & np.signbit(kd)):
-        dst[:] = src    # identity rows (the usual case: a row's first tensor of the step)
-        return
-    k = np.where((kd == 0) & np.signbit(kd), ks, kd)
-    with np.errstate(all="ignore"):
-        d = np.where((ks == 0) & np.signbit(ks), 0.0, ks - k)
-        d = np.where(np.isfinite(d), d, 0.0)
-        n = src[:, Stat.NUMEL] - src[:, Stat.NAN] - src[:, Stat.POSINF] - src[:, Stat.NEGINF]
-        s1, s2 = src[:, Stat.SHIFT_SUM], src[:, Stat.SHIFT_SUMSQ]
-        dst[:, Stat.SHIFT_SUMSQ] += s2 + 2.0 * d * s1 + n * d * d
-        dst[:, Stat.SHIFT_SUM] += s1 + n * d
-    dst[:, Stat.SHIFT] = k
-    dst[:, : Stat.MIN] += src[:, : Stat.MIN]
-    dst[:, Stat.SUM: Stat.SHIFT] += src[:, Stat.SUM: Stat.SHIFT]
-    dst[:, Stat.HIST:] += src[:, Stat.HIST:]
-    for i in (Stat.MIN, Stat.ABSMIN_NZ):
-        np.minimum(dst[:, i], src[:, i], out=dst[:, i])
-    for i in (Stat.MAX, Stat.ABSMAX):
-        np.maximum(dst[:, i], src[:, i], out=dst[:, i])
-
-
-def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
-    """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
-    its second row in a second round."""
-    while slots.size:
-        _, first = np.unique(slots, return_index=True)
-        part = dst[slots[first]]
-        merge_host(part, src[first])
-        dst[slots[first]] = part
-        rest = np.ones(slots.size, dtype=bool)
-        rest[first] = False
-        slots, src = slots[rest], src[rest]
