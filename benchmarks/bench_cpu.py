@@ -8,7 +8,9 @@ Same-run ratios: the configurations of one model alternate (repeats x configurat
 are measured over steps 15 to 15 + steps (past the default config's warm-up, which samples every
 step), the demo over all its steps; the tables give the median over repeats.
 tensor_stats: 65,536 values, the median of many calls, next to the pure-torch reference
-(stats/reference.py) it is tested against. Prints markdown tables.
+(stats/reference.py) it is tested against. The gradient sentinel: every parameter gradient of the
+small GPT-2 after one backward, numpy (stats/sentinel_cpu.py, the monitor's path on the CPU)
+against the pure-torch twin (stats/sentinel.py), the median of many calls. Prints markdown tables.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 import stabilitywatch as sw
 from stabilitywatch.demo import run_demo
 from stabilitywatch.stats.reference import reference_row
+from stabilitywatch.stats.sentinel import COLS, sentinel_reference
+from stabilitywatch.stats.sentinel_cpu import sentinel_host
 
 DTYPES = [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16),
           ("float64", torch.float64), ("float8_e4m3fn", torch.float8_e4m3fn),
@@ -62,6 +66,18 @@ def gpt2(batch: int, seq: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     return model, opt, {"input": ids[:, :-1], "target": ids[:, 1:]}
+
+
+def bench_sentinel(calls: int, batch: int, seq: int) -> tuple[int, int, float, float]:
+    model, _, data = gpt2(batch, seq)
+    logits = model(data["input"]).logits
+    F.cross_entropy(logits.view(-1, logits.shape[-1]), data["target"].reshape(-1)).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    slots = list(range(len(grads)))
+    out = torch.zeros(len(grads), COLS, dtype=torch.float64)
+    fast = _median_ms(lambda: sentinel_host(grads, out.zero_(), slots), calls)
+    ref = _median_ms(lambda: sentinel_reference(grads, out.zero_(), slots), max(calls // 4, 3))
+    return len(grads), sum(g.numel() for g in grads), fast, ref
 
 
 def gpt2_run(config, steps: int, out: str, batch: int, seq: int, warmup: int) -> float:
@@ -130,6 +146,12 @@ def main(argv=None) -> int:
     print("|---|---:|---:|")
     for name, fast, ref in bench_tensor_stats(a.calls):
         print(f"| {name} | {fast:.3f} | {ref:.2f} |")
+
+    k, numel, fast, ref = bench_sentinel(max(a.calls // 10, 3), a.batch, a.seq)
+    print(f"\n| gradient sentinel, HF GPT-2 (4 layers, d 128): {k} gradients, {numel:,} float32 "
+          f"values | numpy (ms) | pure-torch twin (ms) |")
+    print("|---|---:|---:|")
+    print(f"| one step's sentinel | {fast:.2f} | {ref:.2f} |")
 
     with tempfile.TemporaryDirectory() as tmp:
         n = iter(range(10**6))
