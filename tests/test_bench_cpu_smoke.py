@@ -14,3 +14,4 @@ def test_bench_cpu_smoke(capsys):
                   "demo model"):
         assert table in out
     assert "| default Config() |" in out and '| preset("full") |' in out
+    assert "training thread CPU ms/step" in out
