@@ -123,14 +123,24 @@ class DemoResult:
     losses: list = field(default_factory=list)
     # the same steps without the monitor, run just before (run_demo(baseline=True))
     ms_per_step_unmonitored: Optional[float] = None
+    # the training thread's own CPU time per step (time.thread_time), the monitor's close() in
+    cpu_ms_per_step: Optional[float] = None
+
+
+# read at the default cadence, not every step: the faults are caught in the weights and outputs
+SPARSE_ROLES = {"grad_output": 10, "grad": 10, "optim": 10}
 
 
 def demo_config() -> Config:
-    # every step, outputs judged as if cast to E4M3 (the FP8 forward format); the faults are
-    # weight writes whose steps are not skipped, so the walk-through's bundles take their
-    # start-of-step state from the "sampled" snapshots (a small model: cheap here)
-    return Config(every=1, formats={"output": "e4m3"}, sinks=("jsonl", "console"),
-                  capture={"snapshot": "sampled"})
+    # outputs judged as if cast to E4M3 (the FP8 forward format). The faults are weight writes:
+    # the physics check sees them in weights read on consecutive steps, the overflow and
+    # non-finite checks in the outputs, so both are read every step; the gradients (their
+    # NaN/Inf and norms are the sentinel's every step), the outputs' gradients and the optimizer
+    # state every 10th step, and every role once an alert has fired (escalation). The faulty
+    # steps are not skipped, so the walk-through's bundles take their start-of-step state from
+    # the "sampled" snapshots (a small model: cheap here)
+    return Config(every=1, role_every=SPARSE_ROLES, formats={"output": "e4m3"},
+                  sinks=("jsonl", "console"), capture={"snapshot": "sampled"})
 
 
 def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, steps: int = 40,
@@ -148,7 +158,7 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     target = model.get_submodule(FAULT_MODULE)
     mon = (watch(model, opt, config=config or demo_config(), run_dir=out,
                  model_factory=MODEL_FACTORY, step_fn=STEP_FN) if monitor else None)
-    losses, t0 = [], time.perf_counter()
+    losses, t0, c0 = [], time.perf_counter(), time.thread_time()
     try:
         for step in range(steps):
             batch = make_batch(gen, device)
@@ -172,10 +182,11 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     if device == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / steps
+    cpu_ms = (time.thread_time() - c0) * 1e3 / steps
     # mon.run_dir: where the run wrote (a sibling of `out` when `out` held a run already)
     return DemoResult(mon.run_dir if mon else Path(out), steps, fault_step, inf_step,
                       FAULT_MODULE, ms, list(mon.alerts) if mon else [],
-                      [float(x) for x in losses], base)
+                      [float(x) for x in losses], base, cpu_ms)
 
 
 class _null:

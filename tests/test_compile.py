@@ -148,8 +148,12 @@ def test_compiled_hf_llama_default_config_one_graph_per_kind_of_step(tmp_path, f
 def test_compiled_hf_llama_on_the_gpu(tmp_path, fp8):
     # inductor and real float8 matmuls: the graphs' own numerics differ from eager's in the
     # last bf16 bits, so the values are compared loosely, the element counts exactly, and the
-    # weights stay put (lr=0) so that the differences do not compound over the steps
-    check_compiled_llama(tmp_path, fp8, "cuda", "inductor", rel=2e-2, exact=("numel",), lr=0.0)
+    # weights stay put (lr=0) so that the differences do not compound over the steps. Under
+    # float8 a gradient passes through several float8 matmuls whose inputs already differ in
+    # those bits, and lands a few % from eager's (3.2 % for a layer norm's output gradient's
+    # absmax on the H200, 2026-12-02): 10 % there, 2 % in bf16
+    check_compiled_llama(tmp_path, fp8, "cuda", "inductor", rel=0.1 if fp8 else 2e-2,
+                         exact=("numel",), lr=0.0)
 
 
 def check_compiled_llama(tmp_path, fp8, device, backend, rel,

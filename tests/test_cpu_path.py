@@ -264,3 +264,23 @@ def test_held_rows_and_overwrite_and_a_full_stage():
     f = _one_frame(buf, 1, [(t, f"x{i}", 1.0, False) for i, t in enumerate(many)])
     for i, t in enumerate(many):
         assert_rows_match(f.rows[f.index(f"x{i}", "output")], reference_row(t), label=f"x{i}")
+
+
+@pytest.mark.parametrize("dname,dtype", DTYPES[:4], ids=[d for d, _ in DTYPES[:4]])
+def test_batched_rows_with_values_at_the_thresholds(dname, dtype):
+    # small tensors read in one batch, some holding values exactly at a format threshold (or
+    # next to it: the same exponent), some none: the counts of each come from its own values
+    e = torch.tensor(edges())
+    g = torch.Generator().manual_seed(11)
+    ts = []
+    for i in range(24):
+        x = torch.randn(50 + 37 * i, generator=g) * 1e-3
+        if i % 3:
+            pick = torch.randint(0, e.numel(), (1 + i,), generator=g)
+            x[: pick.numel()] = e[pick]
+        if i % 4 == 0:
+            x[-3:] = 0.0
+        ts.append(x.to(dtype))
+    rows = cpu.cpu_rows(ts, [1.0] * len(ts))
+    for i, t in enumerate(ts):
+        assert_rows_match(rows[i], reference_row(t), label=f"tensor {i} {dname}")

@@ -1,7 +1,7 @@
 """Statistics rows of CPU tensors in a few vectorised passes: the CPU path.
 
 stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value goes through
-~25 numpy passes over chunks that stay in cache, and many small tensors share the same passes
+~20 numpy passes over chunks that stay in cache, and many small tensors share the same passes
 (one concatenation; per-tensor results by reduceat and by bincount over segments). The numbers
 are the reference's: counts, extrema, histogram and fingerprint bit for bit, sums to rounding
 (float64, another summation order).
@@ -13,8 +13,8 @@ and one bincount counts the classes. The exponent histogram is a bincount of the
 field: zeros land in its first bin and Inf/NaN in its last, and their counts come back out.
 
 Values work in float32 (float64 tensors in float64), as in the reference. numpy runs on the
-calling thread (no BLAS call: BLAS would start threads of its own); the upcast to float32 runs
-in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
+calling thread (its BLAS dots are short enough that OpenBLAS does not split them over its own
+threads); the upcast to float32 runs in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import torch
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, init_row, merge_rows
 from .reference import SUPPORTED_DTYPES
+from .cpu_merge import merge_at, merge_host  # noqa: F401 (the CPU path's row merges)
+from .cpu_sums import ONES, dots, halves
 from .scale import effective_scale
 
 # values per pass: a float32 chunk and its float64 copies stay in L2
@@ -47,11 +49,13 @@ class _Work(NamedTuple):
     inf: int         # bit pattern of +inf
     neginf: int      # ... of -inf, as the signed integer
     mag: int         # every bit but the sign
+    mant: int        # the mantissa field
 
 
-_F32 = _Work(np.float32, np.int32, np.uint32, 23, 127, 256, 0x7F800000, -0x00800000, 0x7FFFFFFF)
+_F32 = _Work(np.float32, np.int32, np.uint32, 23, 127, 256, 0x7F800000, -0x00800000, 0x7FFFFFFF,
+             (1 << 23) - 1)
 _F64 = _Work(np.float64, np.int64, np.uint64, 52, 1023, 2048, 0x7FF0000000000000,
-             -0x0010000000000000, 0x7FFFFFFFFFFFFFFF)
+             -0x0010000000000000, 0x7FFFFFFFFFFFFFFF, (1 << 52) - 1)
 
 
 class _Thresholds(NamedTuple):
@@ -100,6 +104,7 @@ class _Scratch:
         self.d = np.empty(CHUNK, dtype=np.float64)
         self.sq = np.empty(CHUNK, dtype=np.float64)
         self.idx = np.empty(CHUNK, dtype=np.int64)
+        self.words = np.empty(CHUNK // 2, dtype=np.uint64)
         self.raw = torch.empty(CHUNK * 8, dtype=torch.uint8)   # small tensors, concatenated
 
 
@@ -193,13 +198,27 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
     occupied = ecount.any(axis=0)
 
+    def count(op, t):
+        # [nseg]: values with op(|x| bits, t); one pass, a second only when some value counts
+        hit = np.count_nonzero(op(ab, t, out=mask))
+        if not hit or seg is None:
+            return np.full(nseg, float(hit))
+        return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
+
     def above_x(tbits):
-        # above_of(ab, tbits), from the exponent counts where no value shares T's exponent
+        # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
+        # T's own exponent above T. None are when T is its exponent's largest pattern; when T
+        # is the smallest, all are but those equal to T (one equality pass, most often empty)
         e_t = tbits >> w.exp_shift
         res = beyond[:, e_t]
-        need = np.flatnonzero(occupied[e_t])
-        if need.size:
-            res[:, need] = above_of(ab, tbits[need])
+        for j in np.flatnonzero(occupied[e_t]):
+            m = int(tbits[j]) & w.mant
+            if m == w.mant:
+                continue
+            if m == 0:
+                res[:, j] += ecount[:, e_t[j]] - count(np.equal, tbits[j])
+            else:
+                res[:, j] = count(np.greater, tbits[j])
         return res
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
@@ -262,16 +281,23 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     np.copyto(d, x)
     if not clean:
         np.copyto(d, 0.0, where=~mask)
-    np.multiply(d, d, out=sq)
-    out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
-    np.subtract(d, k[0] if seg is None else np.repeat(k, sizes), out=d)
-    if not clean:
-        np.copyto(d, 0.0, where=~mask)
-    np.multiply(d, d, out=sq)
+    if seg is None:
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = dots(d, ONES)
+        np.subtract(d, k[0], out=d)
+        if not clean:
+            np.copyto(d, 0.0, where=~mask)
+        out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
+    else:
+        np.multiply(d, d, out=sq)
+        out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
+        np.subtract(d, np.repeat(k, sizes), out=d)
+        if not clean:
+            np.copyto(d, 0.0, where=~mask)
+        np.multiply(d, d, out=sq)
+        out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
     out[:, Stat.SHIFT] = k
     # the shifted sum as the kernels take it, SUM - n K (its square sum needs its own pass)
     out[:, Stat.SHIFT_SUM] = out[:, Stat.SUM] - fnz_all * k
-    out[:, Stat.SHIFT_SUMSQ] = per_seg(sq)
 
     # fingerprint: the low and high 16 bits of each (32-bit, NaN canonical) pattern, summed in
     # float64 (exact: each term is below 2^16)
@@ -280,6 +306,9 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         u = (u ^ (u >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
     if out[:, Stat.NAN].any():
         u = np.where(ab > w.inf, np.array(0x7FC00000, dtype=w.uint), u)
+    if seg is None and w is _F32 and n <= 1 << 17:
+        out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = halves(u, sc.words)
+        return out
     t = tmp.view(w.uint)
     np.bitwise_and(u, w.uint(0xFFFF), out=t)
     if seg is None:   # integer sums, exact: the high halves are the rest of the whole patterns'
@@ -373,41 +402,3 @@ def _large(t: torch.Tensor, scale: float) -> np.ndarray:
     parts = [_rows(_load([flat[i: i + CHUNK]], w, sc), zero, k, scale, w, sc)[0]
              for i in range(0, flat.numel(), CHUNK)]
     return merge_rows(np.stack(parts))
-
-
-def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[i] <- merge(dst[i], src[i]) for host rows stacked along axis 0, in place: the same
-    merge as layout.merge_into (dst keeps its shift when it has one, else takes src's)."""
-    kd, ks = dst[:, Stat.SHIFT], src[:, Stat.SHIFT]
-    if not dst[:, Stat.NUMEL].any() and np.all((kd == 0) & np.signbit(kd)):
-        dst[:] = src    # identity rows (the usual case: a row's first tensor of the step)
-        return
-    k = np.where((kd == 0) & np.signbit(kd), ks, kd)
-    with np.errstate(all="ignore"):
-        d = np.where((ks == 0) & np.signbit(ks), 0.0, ks - k)
-        d = np.where(np.isfinite(d), d, 0.0)
-        n = src[:, Stat.NUMEL] - src[:, Stat.NAN] - src[:, Stat.POSINF] - src[:, Stat.NEGINF]
-        s1, s2 = src[:, Stat.SHIFT_SUM], src[:, Stat.SHIFT_SUMSQ]
-        dst[:, Stat.SHIFT_SUMSQ] += s2 + 2.0 * d * s1 + n * d * d
-        dst[:, Stat.SHIFT_SUM] += s1 + n * d
-    dst[:, Stat.SHIFT] = k
-    dst[:, : Stat.MIN] += src[:, : Stat.MIN]
-    dst[:, Stat.SUM: Stat.SHIFT] += src[:, Stat.SUM: Stat.SHIFT]
-    dst[:, Stat.HIST:] += src[:, Stat.HIST:]
-    for i in (Stat.MIN, Stat.ABSMIN_NZ):
-        np.minimum(dst[:, i], src[:, i], out=dst[:, i])
-    for i in (Stat.MAX, Stat.ABSMAX):
-        np.maximum(dst[:, i], src[:, i], out=dst[:, i])
-
-
-def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
-    """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
-    its second row in a second round."""
-    while slots.size:
-        _, first = np.unique(slots, return_index=True)
-        part = dst[slots[first]]
-        merge_host(part, src[first])
-        dst[slots[first]] = part
-        rest = np.ones(slots.size, dtype=bool)
-        rest[first] = False
-        slots, src = slots[rest], src[rest]

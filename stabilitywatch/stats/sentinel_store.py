@@ -17,6 +17,7 @@ import torch
 
 from .backend import TORCH, RowBackend
 from .sentinel import COLS, DTYPE, RANK_BIG, SentinelFrame, sentinel_reference
+from .sentinel_cpu import host_ok, sentinel_host
 
 
 class _DevSentinel:
@@ -138,7 +139,7 @@ class SentinelStore:
         for device, launch, _ in plan.launches:
             launch.run(self._dev[device].out)
         for device, ks in plan.rest.items():
-            sentinel_reference([grads[k] for k in ks], self._dev[device].out, ks)
+            self._twin_on(device, [grads[k] for k in ks], ks)
         return True
 
     def flag(self, device: torch.device) -> torch.Tensor:
@@ -271,8 +272,17 @@ class SentinelStore:
 
     def _twin(self, items: list, rest: dict) -> None:
         for device, ks in rest.items():
-            sentinel_reference([items[k][1] for k in ks], self._dev[device].out,
-                               [items[k][0] for k in ks])
+            self._twin_on(device, [items[k][1] for k in ks], [items[k][0] for k in ks])
+
+    def _twin_on(self, device: torch.device, grads: list, rows: list) -> None:
+        # CPU gradients are read in numpy (stats/sentinel_cpu.py); backend "torch" asks for
+        # the pure-torch twin itself, as traced code does
+        out = self._dev[device].out
+        if (device.type == "cpu" and self.ops.name != "torch" and not _compiling()
+                and all(host_ok(g) for g in grads)):
+            sentinel_host(grads, out, rows)
+        else:
+            sentinel_reference(grads, out, rows)
 
     @staticmethod
     def _rebind(plan: _Plan, items: list, addrs: tuple) -> bool:
@@ -289,6 +299,11 @@ def _row_ranks(flags, n: int, order: list) -> Optional[np.ndarray]:
     hi, lo = flags[2:2 + n], flags[2 + n:]
     out = np.stack([np.where(lo > 0, RANK_BIG - lo, -1), hi - 1], 1).astype(np.int64)
     return out[order]
+
+
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn and fn())
 
 
 def _signature(items: list):

@@ -1,0 +1,94 @@
+"""The gradient sentinel of CPU gradients, read in numpy: per gradient its minimum and maximum
+(two read-only passes, which also tell whether any value is NaN or Inf: both propagate) and its
+sum of squares in float64; the exact non-finite and NaN counts take their own passes only for a
+gradient that holds such a value. Same numbers as the pure-torch twin (stats/sentinel.py),
+which makes a dozen whole-batch ops, each with a fresh temporary of every gradient's size.
+
+CPU memory is host memory: reading it here waits for no device.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .cpu import host_view
+from .cpu_sums import DOT
+from .sentinel import C_ABSMAX, C_NAN, C_NONFINITE, C_SUMSQ
+
+_DIRECT = (torch.float32, torch.float64)
+
+_local = threading.local()
+
+
+def _buf(dtype) -> np.ndarray:
+    have = getattr(_local, "bufs", None)
+    if have is None:
+        have = _local.bufs = {}
+    b = have.get(dtype)
+    if b is None:
+        b = have[dtype] = np.empty(DOT, dtype=dtype)
+    return b
+
+
+def host_ok(g: torch.Tensor) -> bool:
+    """True when sentinel_host reads g: a plain strided CPU tensor of a floating dtype."""
+    return (type(g) is torch.Tensor and g.device.type == "cpu" and g.layout == torch.strided
+            and g.is_floating_point())
+
+
+def sentinel_host(grads: list, out: torch.Tensor, slots: list) -> None:
+    """sentinel_reference(grads, out, slots) for CPU gradients (host_ok) and a CPU `out`."""
+    o = host_view(out)
+    with np.errstate(all="ignore"):   # NaN and Inf are data here
+        for g, s in zip(grads, slots):
+            if g.numel():
+                bad, amax, sq, nan = _one(g)
+                o[s, C_NONFINITE] += bad
+                o[s, C_ABSMAX] = max(o[s, C_ABSMAX], amax)
+                o[s, C_SUMSQ] += sq
+                o[s, C_NAN] += nan
+
+
+def _values(g: torch.Tensor):
+    """Chunks of g's values as float32/float64 numpy arrays: views of g's memory when it is
+    one contiguous float32/float64 tensor, else copies through a kept buffer (DOT values)."""
+    t = g.detach().resolve_neg()
+    if t.dtype in _DIRECT and t.is_contiguous():
+        yield host_view(t.reshape(-1))
+        return
+    flat = t.reshape(-1)                    # a copy only for tensors with gaps
+    work = np.float64 if t.dtype == torch.float64 else np.float32
+    buf = _buf(work)
+    for i in range(0, flat.numel(), DOT):
+        part = flat[i: i + DOT]
+        b = buf[: part.numel()]
+        torch.from_numpy(b).copy_(part)
+        yield b
+
+
+def _one(g: torch.Tensor) -> tuple:
+    """(non-finite count, largest finite |x|, sum of squares of the finite values, NaN count)."""
+    bad = nan = 0
+    amax, sq = 0.0, 0.0
+    d = _buf(np.float64)
+    for x in _values(g):
+        lo, hi = float(np.minimum.reduce(x)), float(np.maximum.reduce(x))
+        if not (abs(lo) < np.inf and abs(hi) < np.inf):    # NaN or Inf in this chunk
+            fin = np.isfinite(x)
+            nf = int(np.count_nonzero(fin))
+            bad += x.size - nf
+            nan += int(np.count_nonzero(np.isnan(x)))
+            x = x[fin]                                    # host memory: no device to wait for
+            if not nf:
+                continue
+            lo, hi = float(np.minimum.reduce(x)), float(np.maximum.reduce(x))
+        amax = max(amax, -lo, hi)
+        for i in range(0, x.size, DOT):
+            part = x[i: i + DOT]
+            b = part if part.dtype == np.float64 else d[: part.size]
+            if b is not part:
+                np.copyto(b, part)
+            sq += float(np.dot(b, b))
+    return bad, amax, sq, nan
