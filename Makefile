@@ -5,8 +5,11 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stabilitywatch-installed
 # --no-compile: Python compiles a module when it is first imported, instead of pip compiling
-# every file of every package (torch's tens of thousands) at install.
+# every file of every package (torch's tens of thousands) at install. The runs below write
+# those compiled files (PYTHONDONTWRITEBYTECODE emptied): otherwise every process of the
+# suite (workers, ranks, CLI runs) would compile torch again.
 PIP := $(VPY) -m pip install -q --no-compile
+RUN := PYTHONDONTWRITEBYTECODE= $(VPY)
 
 .PHONY: demo test install clean
 
@@ -30,15 +33,17 @@ $(STAMP): $(VPY) pyproject.toml
 	  $(PIP) torch==2.13.0; \
 	fi
 	$(PIP) -e ".[dev]"
+	@# once here, not in each of the suite's first processes at the same time
+	$(RUN) -c "import torch, stabilitywatch"
 	@touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m stabilitywatch demo --out runs/demo
+	$(RUN) -m stabilitywatch demo --out runs/demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n auto --dist worksteal tests
+	$(RUN) -m pytest -q -n auto --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
