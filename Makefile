@@ -4,11 +4,23 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stabilitywatch-installed
+# --no-compile: Python compiles a module when it is first imported, instead of pip compiling
+# every file of every package (torch's tens of thousands) at install. The runs below write
+# those compiled files (PYTHONDONTWRITEBYTECODE emptied): otherwise every process of the
+# suite (workers, ranks, CLI runs) would compile torch again.
+PIP := $(VPY) -m pip install -q --no-compile
+RUN := PYTHONDONTWRITEBYTECODE= $(VPY)
 
 .PHONY: demo test install clean
 
+# The venv takes pip from the interpreter's own site-packages where it has one (the venv sees
+# them): ensurepip's copy into the venv is most of the venv's creation time.
 $(VPY):
-	$(PY) -m venv --system-site-packages $(VENV)
+	@if $(PY) -m pip --version >/dev/null 2>&1; then \
+	  $(PY) -m venv --without-pip --system-site-packages $(VENV); \
+	else \
+	  $(PY) -m venv --system-site-packages $(VENV); \
+	fi
 
 # torch: keep whatever torch the interpreter already sees (a GPU machine's own build);
 # otherwise take the CPU build 2.13.0 on a machine without a GPU, plain torch on one with.
@@ -16,20 +28,22 @@ $(STAMP): $(VPY) pyproject.toml
 	@if $(VPY) -c "import torch" 2>/dev/null; then \
 	  echo "torch already present: $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(VPY) -m pip install -q torch; \
+	  $(PIP) torch; \
 	else \
-	  $(VPY) -m pip install -q torch==2.13.0; \
+	  $(PIP) torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(PIP) -e ".[dev]"
+	@# once here, not in each of the suite's first processes at the same time
+	$(RUN) -c "import torch, stabilitywatch"
 	@touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m stabilitywatch demo --out runs/demo
+	$(RUN) -m stabilitywatch demo --out runs/demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n auto --dist worksteal tests
+	$(RUN) -m pytest -q -n auto --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

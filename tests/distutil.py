@@ -1,11 +1,15 @@
 """Running test scenarios on several processes (torch.distributed, gloo on 127.0.0.1).
 
-`run_ranks` starts `world` processes with torch.multiprocessing (spawn), each joins a process
+`run_ranks` starts `world` processes with torch.multiprocessing, each joins a process
 group on a free port and runs the named scenarios of tests/dist_scenarios.py (or
 dist_scenarios_gpt2.py) in order, writing
 `<out>/<scenario>/result.rank{r}.json`. Nothing here can block CI: the whole run has a deadline,
 the process group and every collective have timeouts, and processes still alive at the deadline
 are killed (by their handle) and reported as hung.
+
+`start_ranks` starts the processes from a forkserver that has imported torch, the package and
+the scenario modules once: every rank is a fresh process (nothing of the test process's state,
+no process group, no threads), without paying an interpreter's start and torch's import each.
 """
 from __future__ import annotations
 
@@ -24,6 +28,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# imported once by the forkserver; every rank forked from it starts with them loaded
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "stabilitywatch",
+           "stabilitywatch.kernels.dispatch", "numpy", "distutil", "dist_scenarios",
+           "dist_scenarios_gpt2", "dist_guard"]
+
+
+def start_ranks(fn, args: tuple, world: int):
+    """torch.multiprocessing.start_processes(fn, args, world) from the preloaded forkserver.
+    The forkserver keeps the environment and working directory it started with: ranks set
+    what they need themselves (MASTER_ADDR/PORT in their entry)."""
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return mp.start_processes(fn, args=args, nprocs=world, join=False,
+                              start_method="forkserver")
 
 
 def _entry(rank, world, port, out, scenarios, backend, pg_timeout):
@@ -72,9 +91,8 @@ def run_ranks(out: Path, scenarios: list, world: int = 2, timeout: float = 60.0,
     (results and run directories under out/<label>). Returns {"hung": [...ranks],
     "exitcodes": [...], "seconds": wall time}."""
     t0 = time.monotonic()
-    ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), scenarios, backend,
-                                           pg_timeout),
-                             nprocs=world, join=False, start_method="spawn")
+    ctx = start_ranks(_entry, (world, free_port(), str(out), scenarios, backend, pg_timeout),
+                      world)
     procs = ctx.processes
     deadline = t0 + timeout
     while time.monotonic() < deadline and any(p.is_alive() for p in procs):

@@ -100,11 +100,9 @@ def test_guard_flag_is_reduced_across_two_gloo_ranks(tmp_path):
     dist = pytest.importorskip("torch.distributed")
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    import torch.multiprocessing as mp
     import dist_guard
-    from distutil import free_port
-    ctx = mp.start_processes(dist_guard.entry, args=(2, free_port(), str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
+    from distutil import free_port, start_ranks
+    ctx = start_ranks(dist_guard.entry, (2, free_port(), str(tmp_path)), 2)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
         time.sleep(0.05)

@@ -23,9 +23,22 @@ def describe(alerts):
     return "\n".join(a.line()[:200] for a in alerts)
 
 
+@pytest.fixture(scope="module")
+def zoo_run(tmp_path_factory):
+    """Each fault scenario run once for the module: they are seeded, and the tests only read
+    the Run (several tests look at the same scenario)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = getattr(scenarios, name)(tmp_path_factory.mktemp(name))
+        return runs[name]
+    return get
+
+
 @pytest.mark.parametrize("name", FAULTS)
-def test_fault_is_named_first_and_alone(name, tmp_path):
-    run = getattr(scenarios, name)(tmp_path)
+def test_fault_is_named_first_and_alone(name, zoo_run):
+    run = zoo_run(name)
     loud = run.loud
     assert loud, f"{name}: no warning or critical alert\n{describe(run.alerts)}"
     first = loud[0]
@@ -43,8 +56,8 @@ def test_fault_is_named_first_and_alone(name, tmp_path):
         assert mine[0] is a and not any(b.root for b in mine[1:])
 
 
-def test_e4m3_forecast_comes_before_saturation(tmp_path):
-    run = scenarios.e4m3_outlier_growth(tmp_path)
+def test_e4m3_forecast_comes_before_saturation(zoo_run):
+    run = zoo_run("e4m3_outlier_growth")
     first = run.loud[0]
     assert first.stat == "e4m3_steps_to_overflow" and run.event_step is not None
     assert first.step < run.event_step                 # warned before the first overflow
@@ -52,23 +65,23 @@ def test_e4m3_forecast_comes_before_saturation(tmp_path):
     assert abs(first.extra["overflow_step"] - run.event_step) <= 5
 
 
-def test_lr_spike_update_norm_before_loss(tmp_path):
+def test_lr_spike_update_norm_before_loss(zoo_run):
     # Adam's update norm jumps with the learning rate, before the loss does; the global gradient
     # norm follows (its x8 threshold keeps early-training jumps of real models quiet)
-    run = scenarios.lr_spike(tmp_path)
+    run = zoo_run("lr_spike")
     loud = [a for a in run.alerts if a.severity.value != "info"]
     assert loud and run.event_step is not None and loud[0].step < run.event_step
     assert loud[0].root and (loud[0].tensor, loud[0].stat) == ("optim.update", "update_ratio")
     assert any(a.tensor == "grad_norm" for a in loud)
 
 
-def test_attention_logits_before_divergence(tmp_path):
-    run = scenarios.attention_logit_growth(tmp_path)
+def test_attention_logits_before_divergence(zoo_run):
+    run = zoo_run("attention_logit_growth")
     assert run.event_step is not None and run.loud[0].step < run.event_step
 
 
-def test_shadow_names_only_the_accumulating_module(tmp_path):
-    run = scenarios.shadow_bf16_accumulation(tmp_path)
+def test_shadow_names_only_the_accumulating_module(zoo_run):
+    run = zoo_run("shadow_bf16_accumulation")
     assert {a.module for a in run.alerts if a.detector == "shadow"} == {"pool"}
 
 
