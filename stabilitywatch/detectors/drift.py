@@ -27,7 +27,7 @@ from ..formats import spec
 from ..stats.buffer import StatsFrame
 from ..stats.frame import PerRowSet
 from .base import Detector
-from .series import MAD_TO_SIGMA, log2_or_none, theil_sen
+from .series import MAD_TO_SIGMA, Rings, log2_or_none, theil_sen
 
 SKIP_ROLES = ("loss", "logz", "logits", "attn_logits")
 
@@ -37,10 +37,10 @@ def _skipped(role: str, exclude) -> bool:
             or any(fnmatch.fnmatchcase(role, p) for p in exclude))
 
 
-class _Rings:
+class _Rings(Rings):
     """The windows of every (module, role, stat) series as rows of one array (NaN where a
     window is not full yet), with their CUSUM sums: a frame's ~1,000 series are judged with a few
-    array operations instead of a Python median each (this runs in the training thread)."""
+    array operations instead of a Python median each. Rows are made as series.Rings makes them."""
 
     def __init__(self, window: int):
         self.w = window
@@ -60,17 +60,6 @@ class _Rings:
             a = np.zeros(cap)
             a[:n] = getattr(self, name, a[:0])
             setattr(self, name, a)
-
-    def rows(self, keys: list) -> np.ndarray:
-        out = np.empty(len(keys), dtype=np.int64)
-        for j, k in enumerate(keys):
-            r = self.row.get(k)
-            if r is None:
-                r = self.row[k] = len(self.row)
-                if r >= self.vals.shape[0]:
-                    self._grow(2 * self.vals.shape[0])
-            out[j] = r
-        return out
 
     def robust(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(median, 1.4826 * MAD) of each row's window: the two middle values of the sorted
