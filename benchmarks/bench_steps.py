@@ -1,7 +1,7 @@
 """The monitor's cost on the training steps users run, same-run ratios, in one run:
 
     python benchmarks/bench_steps.py [--models "gpt2;gpt2-compiled;llama;llama-fp8"]
-        [--configs "none;default;every=1"] [--repeats 2] [--breakdown llama]
+        [--configs "none;default;every=1"] [--repeats 2] [--breakdown llama] [--layers 8]
     python benchmarks/bench_steps.py --smoke          # CPU: tiny shapes
 
 Models (from configs, random init, fused AdamW on the GPU): HF GPT-2 small (`GPT2Config()`,
@@ -13,6 +13,11 @@ machine). Configurations: no monitor (`none`), the default `Config()` (`default`
 `,nosinks` adds `sinks=()`, `,nosentinel` adds `sentinel=False`. ms/step is the mean over steps
 15-44 with one sync at the end (three sampled steps of the default config: 20, 30, 40), the
 median round; the overhead range is over rounds, each against its own round's baseline.
+
+A compiled model prints each warm-up step that takes more than a second as it ends (a compile
+or a recompile: its seconds, dynamo's frames and unique graphs so far), so a run stopped by a
+time limit still shows where its time went. `--layers N` gives the Llamas N layers (compile
+time grows with them).
 
 `--breakdown MODEL` profiles 4 steps of each configuration of that model (torch.profiler, CUDA
 activity): per step, the GPU time of the monitor's Triton kernels, of every kernel and copy,
@@ -39,7 +44,7 @@ OURS = ("_sentinel_kernel", "_multi_row_kernel", "_tile_stats_kernel", "_row_sta
         "_multi_tile_kernel")
 
 
-def build(model: str, device: str, smoke: bool):
+def build(model: str, device: str, smoke: bool, layers: int = 8):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if model.startswith("gpt2"):
@@ -51,7 +56,7 @@ def build(model: str, device: str, smoke: bool):
         d = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4) if smoke else dict(
                  vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                 num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16)
+                 num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16)
         m, batch, seq = LlamaForCausalLM(LlamaConfig(**d, max_position_embeddings=1024)), \
             (2 if smoke else 8), (32 if smoke else 1024)
         vocab = d["vocab_size"]
@@ -94,11 +99,11 @@ def step(fwd, opt, ids, mon, i, device):
         opt.zero_grad(set_to_none=True)
 
 
-def run(model, kind, device, smoke, out, profile=None):
+def run(model, kind, device, smoke, out, profile=None, layers: int = 8):
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    m, fwd, opt, ids = build(model, device, smoke)
+    m, fwd, opt, ids = build(model, device, smoke, layers)
     compiled = fwd is not m
     if compiled:   # dynamo's counters of this run: graph breaks, frames compiled
         from torch._dynamo.utils import counters
@@ -113,7 +118,15 @@ def run(model, kind, device, smoke, out, profile=None):
         if i == warm:
             sync()
             t0 = time.perf_counter()
+        t = time.perf_counter()
         step(fwd, opt, ids, mon, i, device)
+        if compiled and i < warm:
+            sync()
+            dt = time.perf_counter() - t
+            if dt > 1.0:   # a compile or a recompile
+                print(f"# {model} {kind}: step {i} took {dt:.1f} s; frames "
+                      f"{counters['frames'].get('total', 0)}, graphs "
+                      f"{counters['stats'].get('unique_graphs', 0)}", flush=True)
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / steps
     prof = None
@@ -179,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="none;default;every=1")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--breakdown", default="", help="a model to profile (4 steps per config)")
+    p.add_argument("--layers", type=int, default=8, help="layers of the Llamas (GPU sizes)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
@@ -198,7 +212,7 @@ def main(argv=None) -> int:
                 for i, kind in enumerate(kinds):
                     prof = mdl == a.breakdown and r == 0
                     ms, b, n = run(mdl, kind, device, smoke, f"{tmp}/{r}-{mdl}-{i}",
-                                   profile=True if prof else None)
+                                   profile=True if prof else None, layers=a.layers)
                     res.setdefault((mdl, kind), []).append((ms, n))
                     if prof:
                         brk[kind] = b
