@@ -293,3 +293,42 @@ def test_sentinel_and_guard_after_the_closure(tmp_path, fused):
     assert torch.equal(inject.before[3], inject.after[3])          # step 3 moved nothing
     assert not torch.equal(inject.before[4], inject.after[4])      # step 4 trained
     assert torch.isfinite(inject.after[5]).all()
+
+
+class ScaleWeight(L.Callback):
+    """Multiplies net.2's weight by 1e4 at the start of optimizer step `at` (a write no
+    optimizer makes: the physics check names it, critically, and the step is captured)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at and batch_idx % trainer.accumulate_grad_batches == 0:
+            with torch.no_grad():
+                pl_module.net[2].weight.mul_(1e4)
+
+
+def test_short_last_group_replays_with_lightnings_divisor(tmp_path):
+    # 6 micro-batches, 4 per step: step 1 is the epoch's short last group of 2, whose losses
+    # Lightning still divides by 4; its capture replays only with that divisor
+    cb = StabilityWatchCallback(config=sw.Config(every=1, sinks=("jsonl",),
+                                                 capture={"snapshot": "sampled"}),
+                                run_dir=tmp_path / "sw",
+                                model_factory="tests.test_integrations_lightning:build_model")
+    model = build_model()
+    trainer = trainer_for(tmp_path, [ScaleWeight(1), cb], steps=2, accumulate=4)
+    trainer.fit(model, loader(6))
+    assert trainer.global_step == 2
+    recs = stats(tmp_path / "sw")
+    # the loss row of the short step: its two micro-batch losses, each divided by 4
+    assert recs[(1, "", "loss")]["mean"] == pytest.approx(sum(model.micro_losses[4:6]) / 4,
+                                                          rel=1e-6)
+    crit = [a for a in cb.monitor.alerts if a.severity == sw.Severity.CRITICAL and a.step == 1
+            and a.capture is not None]
+    assert crit, cb.monitor.alerts
+    bundle = tmp_path / "sw" / crit[0].capture
+    report = sw.replay(bundle, model_factory="tests.test_integrations_lightning:build_model",
+                       step_fn="stabilitywatch.integrations.lightning:replay_step",
+                       progress=False)
+    assert report["step"] == 1
+    assert report["reproduces"] is True, report.get("verdict")

@@ -12,7 +12,8 @@ them (each divided by `accumulate_grad_batches`): the mean micro-batch loss of t
 With a `WandbLogger` the monitor's W&B sink is added and logs into the logger's run. For
 replay, pass `model_factory=` (a function building the LightningModule) and, unless the default
 `stabilitywatch.integrations.lightning:replay_step` fits, `step_fn=`: the captured batch is the
-list of the step's micro-batches.
+list of the step's micro-batches, padded with None up to `accumulate_grad_batches` for the short
+last group of an epoch.
 """
 from __future__ import annotations
 
@@ -30,15 +31,25 @@ REPLAY_STEP = "stabilitywatch.integrations.lightning:replay_step"
 
 
 def replay_step(model: Any, micro_batches: list) -> torch.Tensor:
-    """Replay's step function for a captured Lightning step: the loss Lightning backpropagates
-    over the step's micro-batches (each `training_step` loss divided by their number, which is
-    `accumulate_grad_batches` but for a short last group of an epoch)."""
-    total = None
-    for i, batch in enumerate(micro_batches):
+    """Replay's step function for a captured Lightning step, run as Lightning runs it: each
+    micro-batch's `training_step` loss divided by `accumulate_grad_batches` (the list's length:
+    the short last group of an epoch is captured padded with None up to it, since Lightning
+    divides by `accumulate_grad_batches` there too) and backpropagated on its own, the last one
+    by replay. The loss returned holds the sum of the divided losses, as the step's loss row
+    does; its backward runs through the last micro-batch only."""
+    present = [(i, b) for i, b in enumerate(micro_batches) if b is not None]
+    if not present:
+        raise ValueError("replay_step: the captured step holds no micro-batch")
+    n = len(micro_batches)
+    done = None
+    for k, (i, batch) in enumerate(present):
         out = model.training_step(batch, i)
-        loss = out["loss"] if isinstance(out, dict) else out
-        total = loss if total is None else total + loss
-    return total / len(micro_batches)
+        loss = (out["loss"] if isinstance(out, dict) else out) / n
+        if k == len(present) - 1:
+            return loss if done is None else loss + done
+        loss.backward()
+        done = loss.detach() if done is None else done + loss.detach()
+    raise AssertionError("unreachable")
 
 
 class _Callback:
@@ -108,6 +119,11 @@ class _Callback:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._acc.add_loss(loss)
         if trainer.global_step != self._begun_at:   # the optimizer stepped
+            # a short last group of the epoch: Lightning divided its losses by
+            # accumulate_grad_batches all the same, which replay_step reads as the list's length
+            short = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) - len(self._acc.batches)
+            if short > 0:
+                self._acc.batches.extend([None] * short)
             self._acc.finish()
 
 
