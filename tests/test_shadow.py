@@ -2,6 +2,8 @@
 import json
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -160,3 +162,25 @@ def test_bad_shadow_config():
 def test_ulp_of(dtype, x, want):
     got = ulp_of(torch.tensor([x], dtype=torch.float64), dtype)
     assert got.item() == want
+
+
+@pytest.mark.parametrize("s_val,e_val,y_val", [(1e-152, 1e10, 1e-152), (1e150, 1e-5, 1e150)],
+                         ids=["ratio-underflows", "ratio-overflows"])
+def test_shadow_measures_of_extreme_magnitudes(s_val, e_val, y_val):
+    """A shadow and error whose squared norms' ratio under- or overflows float64 give a finite
+    or infinite measure, not a math error that switches the shadow stage off."""
+    from stabilitywatch.shadow.metrics import shadow_metrics
+    from stabilitywatch.stats.buffer import Phase, StatsFrame
+    from stabilitywatch.stats.reference import reference_row
+
+    t = {("m", "output"): torch.full((4,), y_val, dtype=torch.float64),
+         ("m", "shadow.output"): torch.full((4,), s_val, dtype=torch.float64),
+         ("m", "shadow.error"): torch.full((4,), e_val, dtype=torch.float64)}
+    rows = np.stack([reference_row(v).numpy() for v in t.values()])
+    f = StatsFrame(step=0, keys=list(t), rows=rows, scales=[1.0] * 3,
+                   phases=[Phase.FORWARD] * 3)
+    (_, _, _, m), = shadow_metrics(f)
+    want = 10 * (2 * math.log10(s_val) - 2 * math.log10(e_val))
+    assert m["sqnr_db"] == pytest.approx(want, rel=1e-9)
+    assert not math.isnan(m["cosine"])
+    assert m["rel_l2"] >= 0

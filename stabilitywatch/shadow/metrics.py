@@ -73,12 +73,13 @@ def _metrics(frame: StatsFrame, plan: list) -> list:
         y = None if iy is None else rows[iy]
         e2, s2 = float(e[Stat.SUMSQ]), float(s[Stat.SUMSQ])
         m = {"rel_l2": math.sqrt(e2 / s2) if s2 > 0 else (0.0 if e2 == 0 else math.inf),
-             "sqnr_db": 10 * math.log10(s2 / e2) if e2 > 0 and s2 > 0 else
+             # a difference of logs: the ratio itself can under- or overflow float64
+             "sqnr_db": 10 * (math.log10(s2) - math.log10(e2)) if e2 > 0 and s2 > 0 else
              (math.inf if e2 == 0 else -math.inf),
              "max_abs_err": float(e[Stat.ABSMAX]) if e[Stat.NUMEL] > 0 else math.nan}
         if y is not None and y[Stat.SUMSQ] > 0 and s2 > 0:
             y2 = float(y[Stat.SUMSQ])
-            m["cosine"] = max(-1.0, min(1.0, (y2 + s2 - e2) / (2 * math.sqrt(y2 * s2))))
+            m["cosine"] = max(-1.0, min(1.0, (y2 + s2 - e2) / (2 * math.sqrt(y2) * math.sqrt(s2))))
         else:
             m["cosine"] = math.nan
         if u is not None:

@@ -50,12 +50,12 @@ def shadow_metrics(frame: StatsFrame) -> list[tuple[str, str, str, dict[str, flo
             continue
         e2, s2 = float(e[Stat.SUMSQ]), float(s[Stat.SUMSQ])
         m = {"rel_l2": math.sqrt(e2 / s2) if s2 > 0 else (0.0 if e2 == 0 else math.inf),
-             "sqnr_db": 10 * math.log10(s2 / e2) if e2 > 0 and s2 > 0 else
+             "sqnr_db": 10 * (math.log10(s2) - math.log10(e2)) if e2 > 0 and s2 > 0 else
              (math.inf if e2 == 0 else -math.inf),
              "max_abs_err": float(e[Stat.ABSMAX]) if e[Stat.NUMEL] > 0 else math.nan}
         if y is not None and y[Stat.SUMSQ] > 0 and s2 > 0:
             y2 = float(y[Stat.SUMSQ])
-            m["cosine"] = max(-1.0, min(1.0, (y2 + s2 - e2) / (2 * math.sqrt(y2 * s2))))
+            m["cosine"] = max(-1.0, min(1.0, (y2 + s2 - e2) / (2 * math.sqrt(y2) * math.sqrt(s2))))
         else:
             m["cosine"] = math.nan
         if u is not None:
