@@ -314,8 +314,6 @@ class Monitor:
         self._step = step
         self._on = self.schedule.roles_at(step)
         self.taps.begin_step(self._on)
-        # compiled code traced the forward hooks: they stay (its graphs are guarded on them)
-        self.taps.keep_forward = self.taps.keep_forward or self.taps.compiled
         self.taps.set_forward(bool(self._on & FORWARD_ROLES))
         self.buffer.begin_step(step)
         if self.taps.compiled and self.taps.traced_on is not None:
@@ -405,9 +403,12 @@ class Monitor:
     def _readable(self, t: torch.Tensor, module: str, role: str) -> bool:
         if is_supported(t):
             return True
-        self._warn_once(f"dtype:{module}:{role}",
-                        f"{module or '<model>'} {role}: dtype {t.dtype} is not supported; skipped")
+        self._unsupported(module, role, t.dtype)
         return False
+
+    def _unsupported(self, module: str, role: str, dtype: torch.dtype) -> None:
+        self._warn_once(f"dtype:{module}:{role}",
+                        f"{module or '<model>'} {role}: dtype {dtype} is not supported; skipped")
 
     def _scale_for(self, role: str) -> float:
         # config.scale_for is a glob lookup; a role's answer never changes (frozen config)
@@ -440,8 +441,7 @@ class Monitor:
         self.taps.compiled = True
         self.buffer.mark_untracked()
         if dtype not in SUPPORTED_DTYPES:
-            self._warn_once(f"dtype:{module}:{role}", f"{module or '<model>'} {role}: dtype "
-                            f"{dtype} is not supported; skipped")
+            self._unsupported(module, role, dtype)
             return None
         got = self.buffer.traced_slot(module, role, device, self._scale_for(role), phase)
         if got is None:

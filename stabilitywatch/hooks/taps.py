@@ -195,9 +195,10 @@ class Taps:
 
     def set_forward(self, reads: bool) -> None:
         """At a step start: the forward hooks registered when the step reads a forward role
-        (or compiled code may run them), removed otherwise. Never raises: a failure keeps the
-        hooks as they are, with one warning."""
-        want = reads or self.keep_forward
+        (or compiled code may run them: a compiled model's graphs are guarded on its hooks, so
+        once dynamo has traced them they stay), removed otherwise. Never raises: a failure keeps
+        the hooks as they are, with one warning."""
+        want = reads or self.keep_forward or self.compiled
         if want == bool(self._forward_handles):
             return
         try:

@@ -41,15 +41,18 @@ def replay_step(model: Any, micro_batches: list) -> torch.Tensor:
     if not present:
         raise ValueError("replay_step: the captured step holds no micro-batch")
     n = len(micro_batches)
-    done = None
-    for k, (i, batch) in enumerate(present):
+
+    def loss_of(i: int, batch: Any) -> torch.Tensor:
         out = model.training_step(batch, i)
-        loss = (out["loss"] if isinstance(out, dict) else out) / n
-        if k == len(present) - 1:
-            return loss if done is None else loss + done
+        return (out["loss"] if isinstance(out, dict) else out) / n
+
+    done = None
+    for i, batch in present[:-1]:
+        loss = loss_of(i, batch)
         loss.backward()
         done = loss.detach() if done is None else done + loss.detach()
-    raise AssertionError("unreachable")
+    last = loss_of(*present[-1])
+    return last if done is None else last + done
 
 
 class _Callback:

@@ -124,6 +124,7 @@ def _derive_scalar(rows: np.ndarray, scales: np.ndarray) -> dict[str, list]:
         nonzero = n - r[Stat.ZEROS]
         amax_s = absmax * scale
         with np.errstate(all="ignore"):
+            # sync-ok: numpy on host floats (the frame's rows), no device tensor
             l_amax_s, l_absmax, l_nz = np.log2(np.array([amax_s, absmax, nz])).tolist()
         vals = [r[i] for i in COUNT_KEYS.values()]
         vals += [n, r[Stat.MIN] if has else nan, r[Stat.MAX] if has else nan, absmax,
