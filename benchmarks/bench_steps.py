@@ -19,6 +19,14 @@ or a recompile: its seconds, dynamo's frames and unique graphs so far), so a run
 time limit still shows where its time went. `--layers N` gives the Llamas N layers (compile
 time grows with them).
 
+`--blocks N` runs the configurations of a model side by side instead (one model, optimizer and
+monitor each, built once): after `--skip` steps of each, N rounds of `--block-steps` steps of
+each configuration in turn (the order rotating every round), a sync around each block; the
+ratio is the configuration's total time over `none`'s, and the range is over rounds. A host
+whose speed drifts moves every configuration alike. It prints where the cost budget set each
+monitor's cadence (`Config.cost_budget`, stabilitywatch/pacing.py). A `fixed` configuration
+is the default at `cost_budget=0` (statistics every 10th step whatever they cost).
+
 `--breakdown MODEL` profiles 4 steps of each configuration of that model (torch.profiler, CUDA
 activity): per step, the GPU time of the monitor's Triton kernels, of every kernel and copy,
 the GPU's idle time inside the step (where it waited for the host), and the launches; the
@@ -78,7 +86,9 @@ def config(kind: str):
     if kind == "none":
         return None
     base, *flags = kind.split(",")
-    kw = {"every": 1} if base == "every=1" else {}
+    kw = {"every=1": {"every": 1}, "fixed": {"cost_budget": 0.0}}.get(base, {})
+    if base not in ("default", "every=1", "fixed"):
+        raise ValueError(f"unknown configuration {base!r}")
     for f in flags:
         kw.update({"nocap": {"capture": ()}, "nosinks": {"sinks": ()},
                    "nosentinel": {"sentinel": False}}[f])
@@ -155,6 +165,61 @@ def run(model, kind, device, smoke, out, profile=None, layers: int = 8):
     return ms, prof, alerts
 
 
+def side_by_side(model, kinds, device, smoke, out, blocks, block_steps, skip, layers=8):
+    """{kind: [seconds of each round's block]} and the monitors' cadence changes."""
+    built = {}
+    for k in kinds:
+        gc.collect()
+        m, fwd, opt, ids = build(model, device, smoke, layers)
+        cfg = config(k)
+        mon = sw.watch(m, opt, config=cfg, run_dir=f"{out}/{k}") if cfg is not None else None
+        built[k] = [fwd, opt, ids, mon, 0]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def go(k, n):
+        b = built[k]
+        for _ in range(n):
+            step(b[0], b[1], b[2], b[3], b[4], device)
+            b[4] += 1
+
+    for k in kinds:
+        t = time.perf_counter()
+        go(k, skip)
+        sync()
+        print(f"# {model} {k}: {skip} warm-up steps in {time.perf_counter() - t:.1f} s",
+              flush=True)
+    times = {k: [] for k in kinds}
+    for r in range(blocks):
+        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            sync()
+            t = time.perf_counter()
+            go(k, block_steps)
+            sync()
+            times[k].append(time.perf_counter() - t)
+    cadence = {}
+    for k, b in built.items():
+        if b[3] is not None:
+            cadence[k] = list(b[3].pacer.changes)
+            b[3].close()
+    return times, cadence
+
+
+def print_side_by_side(model, kinds, times, cadence, block_steps):
+    base = sum(times["none"])
+    n = len(times["none"]) * block_steps
+    print(f"\n{model}, {len(times['none'])} rounds of {block_steps} steps side by side")
+    print("| model | configuration | ms/step | overhead | range over rounds | cadence |")
+    print("|---|---|---:|---:|---|---|")
+    for k in kinds:
+        tot = sum(times[k])
+        per = sorted(a / b - 1 for a, b in zip(times[k], times["none"]))
+        where = "; ".join(f"every {c['every']} from step {c['step']} (sampled +"
+                          f"{c['sampled_extra_ms']:.1f} ms, step {c['step_ms']:.1f} ms, sentinel "
+                          f"{c['sentinel_ms']:.2f} ms)" for c in cadence.get(k, []))
+        print(f"| {model} | {k} | {tot * 1e3 / n:.2f} | {tot / base - 1:+.2%} | "
+              f"{per[0]:+.1%} .. {per[-1]:+.1%} | {where} |", flush=True)
+
+
 def gpu_breakdown(path: str, steps: int) -> dict:
     """Per step: the monitor's Triton kernels' time, every kernel's and copy's, the GPU's idle
     time between the first and the last of them, the launches (ms, ms, ms, count)."""
@@ -194,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", default="", help="a model to profile (4 steps per config)")
     p.add_argument("--layers", type=int, default=8, help="layers of the Llamas (GPU sizes)")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--blocks", type=int, default=0, help="side by side: rounds of blocks")
+    p.add_argument("--block-steps", type=int, default=20)
+    p.add_argument("--skip", type=int, default=60, help="side by side: warm-up steps of each")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     smoke = a.smoke or device == "cpu"
@@ -204,6 +272,14 @@ def main(argv=None) -> int:
     for k in kinds:
         config(k)   # a bad name fails before any run
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if a.blocks:
+        print(f"# bench_steps side by side on {name}, torch {torch.__version__}")
+        with tempfile.TemporaryDirectory() as tmp:
+            for mdl in models:
+                times, cadence = side_by_side(mdl, kinds, device, smoke, f"{tmp}/{mdl}", a.blocks,
+                                              a.block_steps, a.skip, a.layers)
+                print_side_by_side(mdl, kinds, times, cadence, a.block_steps)
+        return 0
     res: dict = {}
     brk: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
-from .config_base import (FrozenMap, UnknownFieldError, build, check_bool, check_strings,
-                          did_you_mean)
+from .config_base import (FrozenMap, UnknownFieldError, build, check_bool, check_number,
+                          check_strings, did_you_mean)
 from .config_capture import CaptureConfig
 from .config_detectors import DETECTOR_NAMES, DriftConfig, ShadowConfig, SpikeConfig
 from .config_extensions import check_detector_entries
@@ -71,6 +71,11 @@ class Config:
     """Steps 0..warmup-1 are all sampled, whatever `every` says."""
     role_every: Mapping[str, int] = FrozenMap()
     """Per-role cadence overriding `every`, e.g. {"optim": 100}."""
+    cost_budget: float = 0.01
+    """The share of the step time the monitor may cost, measured on the run: where the every-step
+    sentinel and the sampled steps together would cost more at `every`, the cadences (`every`,
+    role_every) are stretched by the smallest whole factor that fits, at most 4. 0 = the cadences as given. Never stretched: `every=1`, escalation windows, the warm-up,
+    and multi-rank runs (their ranks must sample the same steps). See stabilitywatch/pacing.py."""
     shadow_every: int = 0
     """Higher-precision shadow replicas on every N-th sampled step (0 = off): the modules of
     `shadow.modules` are re-run in `shadow.dtype` on the same inputs (see stabilitywatch/shadow)."""
@@ -158,6 +163,8 @@ class Config:
         set_("roles", tuple(_enum(Role, r, "roles") for r in _seq(self.roles, "roles")))
         set_("backend", _enum(Backend, self.backend, "backend"))
         _int(self.every, "Config.every", minimum=1)
+        set_("cost_budget", check_number(self.cost_budget, "cost_budget", 0.0, 1.0, strict=False,
+                                         what="a fraction"))
         for name in ("warmup", "shadow_every", "escalate_steps"):
             _int(getattr(self, name), f"Config.{name}", minimum=0)
         if self.rank is not None:

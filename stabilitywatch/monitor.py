@@ -44,6 +44,7 @@ from .observe_args import check_observe
 from .processing import Processor
 from .records import FrameRecords
 from .rundir import fresh_run_dir
+from .pacing import Pacer
 from .schedule import Schedule
 from .sinks.factory import make_sinks
 from .sinks.runner import SinkRunner
@@ -98,6 +99,11 @@ class Monitor:
 
         self.modules = select_modules(model, config)
         self.schedule = Schedule(config)
+        first = next(model.parameters(), None)
+        # the cost budget: the run's own step times stretch the cadences (pacing.py)
+        self.pacer = self.schedule.pacer = Pacer(config.cost_budget, config.every,
+                                                 first.device if first is not None else None,
+                                                 self.world_size)
         self.buffer = StatsBuffer(kernel_backend(config.backend.value),
                                   capacity=planned_rows(self.modules))
         self.detectors = build_detectors(config, optimizer, self.modules)
@@ -132,6 +138,7 @@ class Monitor:
                                              and not self.extras.running),
                                     self.dist.local, optimizer=optimizer is not None)
         self.taps.sentinel = self.sentinel
+        self.sentinel.pacer = self.pacer
         self.taps.keep_forward = compiled_model(model)
         if config.update.stats and optimizer is not None:   # ||dW|| / ||W|| on sampled steps
             self.taps.update = UpdateTap(self.taps.params, self._record_many, self._is_on,
@@ -253,7 +260,8 @@ class Monitor:
             if self.capture is not None:
                 self.capture.close()
             self.sinks.close()
-            self._write_manifest(sinks=self.sinks.report())  # what each sink did not write
+            # what each sink did not write; where the cost budget changed the cadence
+            self._write_manifest(sinks=self.sinks.report(), cadence=self.pacer.changes)
             self.dist.close()
 
     def __enter__(self) -> "Monitor":
@@ -308,11 +316,13 @@ class Monitor:
     def _begin(self, step: int, batch: Any) -> None:
         if self._step is not None:  # a step left open (an exception outside the with block)
             self._end()
+        self.pacer.begin(step)   # first: the mark ends the step before, waits included
         # what the frames processed by now asked of this thread (escalation: before the roles)
         self.processor.at_begin()
         self._boundary()
         self._step = step
         self._on = self.schedule.roles_at(step)
+        self.pacer.sampled(bool(self._on - {Role.LOSS}))
         self.taps.begin_step(self._on)
         self.taps.set_forward(bool(self._on & FORWARD_ROLES))
         self.buffer.begin_step(step)

@@ -6,6 +6,9 @@ the next `escalate_steps` steps to every role of `Config.roles` at every step (r
 module before it). Frames arrive a step late, so the window opens at
 the first step the host begins after the trigger. While a window is open, triggers do not
 extend it: a fault that persists gets windows of full sampling, not full sampling forever.
+
+Outside the windows the cadences (`every`, role_every) are stretched by one whole factor, the
+cost budget's (pacing.py): 1 until the run's own step times say otherwise.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class Schedule:
         self._window: Optional[tuple[int, int]] = None   # [first, end) of the open window
         self.windows: list[tuple[int, int, str]] = []    # (first, end, why), for records
         self._force = False
+        self.pacer = None   # pacing.Pacer: its factor stretches `every` and role_every alike
 
     def escalate(self, why: str) -> bool:
         """Ask for full sampling from the next step begun on. False when escalation is off or a
@@ -57,8 +61,9 @@ class Schedule:
         if self._window is not None:
             return self.roles | {Role.LOSS}
         on = set()
+        factor = self.pacer.factor if self.pacer is not None else 1
         for role in self.roles:
-            every = self.role_every.get(role, self.every)
+            every = self.role_every.get(role, self.every) * factor
             if role is Role.LOSS or step < self.warmup or step % every == 0:
                 on.add(role)
         return frozenset(on)

@@ -27,7 +27,7 @@ LAYERS = (
     # capture.policy: the capture triggers' vocabulary, which Config validates
     ("config", ("config", "config_*", "capture.policy")),
     ("parts", ("hooks", "detectors", "shadow", "sinks", "capture", "distributed", "incidents",
-               "schedule", "escalation", "guard", "inplace", "processing", "records", "observe_args", "rundir", "report",
+               "schedule", "pacing", "escalation", "guard", "inplace", "processing", "records", "observe_args", "rundir", "report",
                "integrations.accelerate", "integrations.fp8")),
     ("monitor", ("monitor",)),
     ("entry points", ("", "__main__", "cli", "demo", "replaying", "integrations")),

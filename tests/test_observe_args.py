@@ -22,9 +22,11 @@ STEPS = 21
 
 def _run(tmp_path, name, first_step=None):
     """The issue's sequence: `first_step(mon)` inside step 0, then 20 normal steps (every fifth
-    sampled). Returns the (module, tensor) keys of stats.jsonl per step."""
+    sampled, whatever they cost: two runs compare step by step). Returns the (module, tensor)
+    keys of stats.jsonl per step."""
     model, opt = make()
-    with sw.watch(model, opt, config=cfg(every=5, warmup=1), run_dir=tmp_path / name) as mon:
+    with sw.watch(model, opt, config=cfg(every=5, warmup=1, cost_budget=0),
+                  run_dir=tmp_path / name) as mon:
         for step, x in enumerate(batches(STEPS)):
             with mon.step(step, batch=x):
                 if first_step is not None and step == 0:

@@ -43,6 +43,7 @@ class SentinelTap:
         self.after_write: list[Callable] = []
         # called from the optimizer's post-step hook with the optimizer
         self.after_step_fns: list[Callable] = []
+        self.pacer = None   # pacing.Pacer: times the write
 
     # -- attach / detach -----------------------------------------------------------------------
     def attach(self) -> None:
@@ -111,6 +112,9 @@ class SentinelTap:
     def _write(self) -> None:
         if self.failed:
             return
+        pacer = self.pacer
+        if pacer is not None:   # its cost counts against the cost budget (pacing.py)
+            pacer.sentinel_start()
         try:
             self._freeze_order()
             if self._again and self.store.write_again(self._plain):   # gradients not moved
@@ -128,6 +132,9 @@ class SentinelTap:
             self.failed = True
             log.warning("stabilitywatch: the gradient sentinel failed (%s: %s); it is switched "
                         "off, training goes on", type(e).__name__, e)
+        finally:
+            if pacer is not None:
+                pacer.sentinel_stop()
 
     def _freeze_order(self) -> None:
         if self.store.order is not None or not self._ready:
