@@ -10,7 +10,8 @@ ffn 2816, 16 heads, vocab 32000, batch 8 x 1024, bf16 autocast), eager; the same
 under torchao float8 training (tensorwise) and `torch.compile` (the wheel carried to the GPU
 machine). Configurations: no monitor (`none`), the default `Config()` (`default`), and
 `Config(every=1)` (`every=1`); a `,nocap` suffix adds `capture=()` (no snapshots or bundles),
-`,nosinks` adds `sinks=()`, `,nosentinel` adds `sentinel=False`. ms/step is the mean over steps
+`,nosinks` adds `sinks=()`, `,nosentinel` adds `sentinel=False`, `,inline` adds
+`processing="inline"` (frames processed on the training thread). ms/step is the mean over steps
 15-44 with one sync at the end (three sampled steps of the default config: 20, 30, 40), the
 median round; the overhead range is over rounds, each against its own round's baseline.
 
@@ -91,7 +92,7 @@ def config(kind: str):
         raise ValueError(f"unknown configuration {base!r}")
     for f in flags:
         kw.update({"nocap": {"capture": ()}, "nosinks": {"sinks": ()},
-                   "nosentinel": {"sentinel": False}}[f])
+                   "nosentinel": {"sentinel": False}, "inline": {"processing": "inline"}}[f])
     return sw.Config(**kw)
 
 
