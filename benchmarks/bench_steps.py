@@ -177,11 +177,22 @@ def side_by_side(model, kinds, device, smoke, out, blocks, block_steps, skip, la
         built[k] = [fwd, opt, ids, mon, 0]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def go(k, n):
+    spans = {k: [] for k in kinds}   # (step, CUDA event at its start, event at its end)
+
+    def go(k, n, timed=False):
         b = built[k]
+        marks = []
         for _ in range(n):
+            if timed and device == "cuda":
+                marks.append((b[4], torch.cuda.Event(enable_timing=True)))
+                marks[-1][1].record()
             step(b[0], b[1], b[2], b[3], b[4], device)
             b[4] += 1
+        if marks:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            ends = [m[1] for m in marks[1:]] + [end]
+            spans[k] += [(s, a, e) for (s, a), e in zip(marks, ends)]
 
     for k in kinds:
         t = time.perf_counter()
@@ -194,9 +205,21 @@ def side_by_side(model, kinds, device, smoke, out, blocks, block_steps, skip, la
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             sync()
             t = time.perf_counter()
-            go(k, block_steps)
+            go(k, block_steps, timed=True)
             sync()
             times[k].append(time.perf_counter() - t)
+    by_phase = {k: [[] for _ in range(10)] for k in kinds}   # GPU ms by step % 10
+    for k, lst in spans.items():
+        for st, a, e in lst:
+            by_phase[k][st % 10].append(a.elapsed_time(e))
+    if any(any(v) for v in by_phase.values()):
+        print(f"\n{model}: mean span from a step's start to the next's on the GPU stream (ms), "
+              f"by step % 10 (the fixed cadence samples 0)")
+        print("| configuration | " + " | ".join(f"{i}" for i in range(10)) + " |")
+        print("|---|" + "---:|" * 10)
+        for k, ph in by_phase.items():
+            print(f"| {k} | " + " | ".join(f"{sum(v) / len(v):.2f}" if v else "" for v in ph)
+                  + " |")
     cadence = {}
     for k, b in built.items():
         if b[3] is not None:
