@@ -3,10 +3,12 @@ sampled steps of the default config:
 
     python benchmarks/bench_unsampled.py [--device cpu|cuda] [--model llama|gpt2]
         [--steps 45] [--skip 15] [--repeats 2] [--config default] [--keep-hooks] [--sync]
-        [--smoke]
+        [--smoke] [--layers N]
 
 Models: benchmarks/bench_steps.py's `build` (HF Llama, 8 layers, d 1024, batch 8 x 1024, bf16
-autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes). One run without a
+autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes, 2 layers of d 64).
+`--layers N` gives the tiny models and the full-size Llama N layers: `--device cpu --layers 8`
+has the GPU Llama's 75 watched modules and parameter gradients at the tiny shapes. One run without a
 monitor and one with `--config` (default: `Config()`; "default,nosentinel" etc. as in
 bench_steps.py), with `--keep-hooks` also that config with its forward hooks registered on every
 step (as on a torch.compile'd model), their steps interleaved, `--repeats` times (medians over
@@ -43,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +102,9 @@ class _Run:
     """One model and optimizer, monitored (`kind` a bench_steps config) or not ("none")."""
 
     def __init__(self, model: str, kind: str, device: str, smoke: bool, out: str,
-                 keep_hooks: bool = False):
-        self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke)
+                 keep_hooks: bool = False, layers: Optional[int] = None):
+        n = {} if layers is None else {"layers": layers, "smoke_layers": layers}
+        self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke, **n)
         self.device = device
         cfg = bench_steps.config(kind)
         self.marks: dict = {}
@@ -204,14 +208,15 @@ class _Run:
 
 
 def run_group(model: str, kind: str, device: str, smoke: bool, steps: int, skip: int,
-              sync: bool, out: str, keep_hooks: bool) -> list[dict]:
+              sync: bool, out: str, keep_hooks: bool, layers: Optional[int] = None) -> list[dict]:
     """The unmonitored run, the monitored one (and with `keep_hooks` the monitored one whose
     forward hooks stay registered), their steps interleaved: the machine's drift falls on
     all of them."""
-    runs = [_Run(model, "none", device, smoke, f"{out}-none"),
-            _Run(model, kind, device, smoke, f"{out}-mon")]
+    runs = [_Run(model, "none", device, smoke, f"{out}-none", layers=layers),
+            _Run(model, kind, device, smoke, f"{out}-mon", layers=layers)]
     if keep_hooks:
-        runs.append(_Run(model, kind, device, smoke, f"{out}-kept", keep_hooks=True))
+        runs.append(_Run(model, kind, device, smoke, f"{out}-kept", keep_hooks=True,
+                         layers=layers))
     for i in range(steps):
         for r in (runs if i % 2 else runs[::-1]):
             r.step(i, sync, i >= skip)
@@ -231,11 +236,14 @@ def main(argv=None) -> int:
     p.add_argument("--keep-hooks", action="store_true", help="also a monitored run whose forward "
                    "hooks stay registered on every step (as on a compiled model)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU always has them)")
+    p.add_argument("--layers", type=int, default=None, help="the model's layers (default: 8 at "
+                   "the full size, 2 at the tiny one)")
     a = p.parse_args(argv)
     smoke = a.smoke or a.device == "cpu"
     if a.skip >= a.steps:
         p.error("--skip must be below --steps")
-    print(f"# bench_unsampled: {a.model}{' (tiny)' if smoke else ''} on {a.device}, torch "
+    print(f"# bench_unsampled: {a.model}{' (tiny)' if smoke else ''}, layers "
+          f"{a.layers or 'as built'}, on {a.device}, torch "
           f"{torch.__version__}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"config {a.config!r}, steps {a.skip}..{a.steps - 1} x {a.repeats}"
           f"{', synchronized' if a.sync else ''}")
@@ -245,7 +253,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
             *got, pair = run_group(a.model, a.config, a.device, smoke, a.steps, a.skip, a.sync,
-                                   f"{tmp}/{r}", a.keep_hooks)
+                                   f"{tmp}/{r}", a.keep_hooks, a.layers)
             for k, g in zip(labels, got):
                 runs[k].append(g)
             ab.append(pair)
