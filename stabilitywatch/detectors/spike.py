@@ -85,6 +85,11 @@ class SpikeDetector(Detector):
             w = self._win[key] = Window(self.cfg.spike.window, early=self.cfg.spike.min_history)
         return w
 
+    def _idle_on(self, keys: tuple) -> bool:
+        # no gradient rows, no loss, no logits: check() judges nothing and pushes nothing
+        return not any(is_grad_role(r) or r in ("attn_logits", "logz") or (m, r) == ("", "loss")
+                       for m, r in keys)
+
     def check(self, frame: StatsFrame) -> list[Alert]:
         out: list[Alert] = []
         mods, groups, series, logits = self._plans(frame)
