@@ -14,7 +14,7 @@ def idle(detector, keys: tuple) -> bool:
     any other detector is always run). A frame of an unsampled step (the loss row and the
     sentinel) leaves most of them idle."""
     fn = getattr(detector, "_idle_on", None)
-    return fn is not None and bool(fn(keys))
+    return fn is not None and fn(keys) is True
 
 
 class Cooldown:
