@@ -535,9 +535,7 @@ class Monitor:
             recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
                                                     if k not in ("module", "tensor", "stats")})
         self._emit(alerts)
-        # a quiet unsampled step's records (the loss, the gradient norm) may wait for the next
-        # batch: the sinks' threads wake once for several steps (sinks/runner.py)
-        self.sinks.log(recs, hold=not alerts and not changes and _loss_only(frame))
+        self.sinks.log(recs)
 
     def _detectors_for(self, frame: StatsFrame) -> list:
         """The detectors to run on a frame: those not idle on its keys (worked out once per row
@@ -594,11 +592,6 @@ class Monitor:
         except OSError as e:
             log.warning("stabilitywatch: cannot write %s (%s); going on without it",
                         self.run_dir / name, e)
-
-
-def _loss_only(frame: StatsFrame) -> bool:
-    keys = frame.keys
-    return not keys or (len(keys) == 1 and keys[0] == ("", "loss"))
 
 
 def _guard_skipped(frame: StatsFrame) -> bool:

@@ -3,10 +3,6 @@
 What it guarantees (README "Sinks"):
 - log() and alert() never wait for a sink: they append to each sink's queues (worker.py) under a
   lock that is never held while a sink runs, so no sink can stall training or starve another.
-- log(records, hold=True) (the records of a quiet unsampled step) keeps the batch back, at most
-  HOLD_BATCHES of them for at most HOLD_SECONDS, and hands them over with the next batch not
-  held (or at flush, close): each sink's thread wakes once for them, not once per step. The
-  batches, their order and each sink call stay as they were.
 - Alerts are never dropped for lack of queue space; a batch of statistics records that finds a
   sink's queue (queue_size batches) full is dropped for that sink, counted, one warning.
 - A sink call (log, alert, flush) that does not return within `timeout` seconds, or that raises
@@ -31,8 +27,6 @@ log = logging.getLogger("stabilitywatch")
 
 SINK_TIMEOUT = 10.0         # seconds a log/alert/flush call may take (Config.sinks.timeout)
 CLOSE_TIMEOUT = 30.0        # seconds close() may take in all (Config.sinks.close_timeout)
-HOLD_BATCHES = 16           # batches log(hold=True) keeps back at most ...
-HOLD_SECONDS = 1.0          # ... and for at most this long
 
 
 class SinkRunner:
@@ -49,8 +43,6 @@ class SinkRunner:
         # the workers whose sink writes statistics: the console's log() is a no-op, so it is
         # handed no records (its thread is not woken for each frame's)
         self._loggers = [w for w in self._workers if type(w.sink).log is not ConsoleSink.log]
-        self._held: list = []            # batches kept back by log(hold=True)
-        self._held_since = 0.0
 
     @property
     def dropped(self) -> int:
@@ -71,39 +63,15 @@ class SinkRunner:
         return {w.name: w.counts() for w in self._workers}
 
     # -- the training thread's side -----------------------------------------------------------
-    def log(self, records: list[dict[str, Any]], hold: bool = False) -> None:
-        """Queue one batch of records for every sink that writes them. hold: the batch may
-        wait (module docstring) for the next one not held."""
+    def log(self, records: list[dict[str, Any]]) -> None:
         if self._closed or not records:
             return
         self._watch()
-        with self._lock:
-            if hold:
-                if not self._held:
-                    self._held_since = time.monotonic()
-                self._held.append(records)
-                if (len(self._held) < HOLD_BATCHES
-                        and time.monotonic() - self._held_since < HOLD_SECONDS):
-                    return
-                batches, self._held = self._held, []
-            elif self._held:
-                batches, self._held = self._held + [records], []
-            else:
-                batches = [records]
-        self._put(batches)
-
-    def _put(self, batches: list) -> None:
         for w in self._loggers:
-            if w.put_records(batches):
+            if w.put_records(records):
                 log.warning("stabilitywatch: sink '%s' is slower than training: its queue is "
                             "full, so stats records are dropped for it (counted in run.json); "
                             "alerts are never dropped", w.name)
-
-    def _release_held(self) -> None:
-        with self._lock:
-            batches, self._held = self._held, []
-        if batches:
-            self._put(batches)
 
     def alert(self, alert: Alert) -> None:
         if self._closed:
@@ -117,7 +85,6 @@ class SinkRunner:
         False when that did not happen within timeout seconds (or the runner is closed)."""
         if self._closed:
             return False
-        self._release_held()
         deadline = time.monotonic() + timeout
         for w, done in [(w, w.request_flush()) for w in self._workers]:
             while done is not None and not done.is_set():
@@ -131,7 +98,6 @@ class SinkRunner:
     def close(self, timeout: Optional[float] = None) -> None:
         """Write what is queued, close every sink, all within close_timeout seconds (or
         timeout); sinks not done by then are abandoned with one warning each. Idempotent."""
-        self._release_held()   # before the closed flag: log() drops records from then on
         with self._lock:
             if self._closed:
                 return

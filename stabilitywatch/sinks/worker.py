@@ -58,26 +58,20 @@ class Worker:
             self.alerts_in += 1
             self.cond.notify()
 
-    def put_records(self, batches: list) -> bool:
-        """Queue each batch of records (a list of records) in order, waking the sink's thread
-        once. True when the queue was full and a batch is the first dropped (warn once)."""
-        first = False
+    def put_records(self, records: list) -> bool:
+        """True when the queue was full and this is the first batch dropped (warn once)."""
         with self.cond:
             if self.state != OK or self.stopping:
-                self.lost_records += sum(map(len, batches)) if self.state != OK else 0
+                self.lost_records += len(records) if self.state != OK else 0
                 return False
-            queued = False
-            for records in batches:
-                if len(self.stats) >= self.queue_size:
-                    self.dropped += len(records)
-                    first, self.warned_full = first or not self.warned_full, True
-                    continue
-                self.stats.append(records)
-                self.stats_in += 1
-                queued = True
-            if queued:
-                self.cond.notify()
-        return first
+            if len(self.stats) >= self.queue_size:
+                self.dropped += len(records)
+                first, self.warned_full = not self.warned_full, True
+                return first
+            self.stats.append(records)
+            self.stats_in += 1
+            self.cond.notify()
+            return False
 
     def request_flush(self) -> Optional[threading.Event]:
         with self.cond:
