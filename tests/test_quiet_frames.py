@@ -1,8 +1,7 @@
 """What a quiet unsampled step costs the monitor's threads: the detectors with nothing to read in
 a loss-only frame are not run, the stages that only act on alerts are left out without alerts,
-and the records of such a step wait for the next batch before the sinks' threads are woken
-(the same records, in the same order, in the same sink calls); the console sink, whose log()
-is a no-op, is handed no records."""
+the console sink, whose log() is a no-op, is handed no records, and every step's records still
+reach stats.jsonl."""
 import json
 import os
 import sys
@@ -15,7 +14,6 @@ import stabilitywatch as sw
 from stabilitywatch.detectors.base import idle
 from stabilitywatch.kernels.dispatch import compute_row
 from stabilitywatch.sinks import ConsoleSink, SinkRunner
-from stabilitywatch.sinks import runner as runner_module
 from stabilitywatch.stats.buffer import Phase, StatsFrame
 from stabilitywatch.stats.sentinel import SentinelFrame
 
@@ -77,38 +75,6 @@ def test_detectors_with_nothing_to_read_are_not_run_on_a_loss_only_frame(tmp_pat
     mon.close()
 
 
-def test_quiet_batches_wait_for_the_next_one_and_go_in_order(monkeypatch):
-    sink = RecordingSink()
-    runner = SinkRunner([sink])
-    worker = runner._workers[0]
-    runner.log([make_record(0)], hold=True)
-    runner.log([make_record(1), make_record(1, tensor="grad_norm")], hold=True)
-    assert worker.stats_in == 0   # held: the sink's thread was not woken
-    runner.log([make_record(2)])
-    assert worker.stats_in == 3   # three batches, three log() calls, in order
-    runner.log([make_record(3)], hold=True)
-    assert runner.flush(timeout=10)
-    assert [(r["step"], r["tensor"]) for r in sink.records] == [
-        (0, "output"), (1, "output"), (1, "grad_norm"), (2, "output"), (3, "output")]
-    monkeypatch.setattr(runner_module, "HOLD_BATCHES", 3)
-    for step in range(4, 7):
-        runner.log([make_record(step)], hold=True)
-    assert worker.stats_in == 7   # the third held batch takes all three
-    runner.log([make_record(7)], hold=True)
-    runner.close()   # close hands over what is held
-    assert [r["step"] for r in sink.records] == [0, 1, 1] + list(range(2, 8))
-
-
-def test_a_held_batch_goes_after_at_most_hold_seconds(monkeypatch):
-    sink = RecordingSink()
-    runner = SinkRunner([sink])
-    monkeypatch.setattr(runner_module, "HOLD_SECONDS", 0.0)
-    runner.log([make_record(0)], hold=True)
-    assert runner._workers[0].stats_in == 1
-    runner.close()
-    assert [r["step"] for r in sink.records] == [0]
-
-
 def test_the_console_sink_is_handed_no_records():
     console, other = ConsoleSink(), RecordingSink()
     runner = SinkRunner([console, other])
@@ -119,7 +85,7 @@ def test_the_console_sink_is_handed_no_records():
     assert runner.report()["console"]["records_lost"] == 0
 
 
-def test_a_run_writes_every_step_of_stats_jsonl_with_quiet_steps_held(tmp_path):
+def test_a_run_writes_every_step_of_stats_jsonl(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
