@@ -53,17 +53,20 @@ OURS = ("_sentinel_kernel", "_multi_row_kernel", "_tile_stats_kernel", "_row_sta
         "_multi_tile_kernel")
 
 
-def build(model: str, device: str, smoke: bool, layers: int = 8):
+def build(model: str, device: str, smoke: bool, layers: int = 8, smoke_layers: int = 2):
+    """smoke: the tiny shapes (d 64) with `smoke_layers` layers; else the full ones, the
+    Llamas with `layers` layers."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if model.startswith("gpt2"):
-        cfg = (GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-               if smoke else GPT2Config())
+        cfg = (GPT2Config(n_layer=smoke_layers, n_embd=64, n_head=4, vocab_size=256,
+                          n_positions=64) if smoke else GPT2Config())
         m, batch, seq = GPT2LMHeadModel(cfg), (2 if smoke else 16), (32 if smoke else 1024)
         vocab = cfg.vocab_size
     else:
-        d = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=4) if smoke else dict(
+        d = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=smoke_layers, num_attention_heads=4,
+                 num_key_value_heads=4) if smoke else dict(
                  vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                  num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16)
         m, batch, seq = LlamaForCausalLM(LlamaConfig(**d, max_position_embeddings=1024)), \

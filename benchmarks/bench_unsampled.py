@@ -3,10 +3,12 @@ sampled steps of the default config:
 
     python benchmarks/bench_unsampled.py [--device cpu|cuda] [--model llama|gpt2]
         [--steps 45] [--skip 15] [--repeats 2] [--config default] [--keep-hooks] [--sync]
-        [--smoke]
+        [--smoke] [--layers N]
 
 Models: benchmarks/bench_steps.py's `build` (HF Llama, 8 layers, d 1024, batch 8 x 1024, bf16
-autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes). One run without a
+autocast, fused AdamW on CUDA; `--smoke` or the CPU: its tiny shapes, 2 layers of d 64).
+`--layers N` gives the tiny models and the full-size Llama N layers: `--device cpu --layers 8`
+has the GPU Llama's 75 watched modules and parameter gradients at the tiny shapes. One run without a
 monitor and one with `--config` (default: `Config()`; "default,nosentinel" etc. as in
 bench_steps.py), with `--keep-hooks` also that config with its forward hooks registered on every
 step (as on a torch.compile'd model), their steps interleaved, `--repeats` times (medians over
@@ -30,9 +32,13 @@ On CUDA the backward runs on the autograd engine's own thread (the training thre
 in the training thread's. Also per step: the pinned host allocations made
 (`torch.cuda.host_memory_stats` "num_host_alloc": cudaHostAlloc blocks the host), the time
 step starts waited for the frame processing thread, and, with `--sync` (a synchronize around each step, as a profiler would),
-the wall time: wall growing beyond CPU time is a wait. The frame processing thread's CPU time
-during the step is the last column: while it runs Python, each GIL re-acquisition of the
-training thread (after every torch call, which releases it) can wait for it.
+the wall time: wall growing beyond CPU time is a wait. The monitor's other threads hold the
+GIL too: while they run Python, each GIL re-acquisition of the training thread (after every
+torch call, which releases it) can wait for them. Their columns, last: the frame processing
+thread's CPU time during the step; its CPU time inside the monitor's `_handle` for the frame
+of this step (processed a step or two later); that thread's CPU time from this step's start to
+the next step's start of the same run (the other runs' interleaved steps included: a frame is
+processed after its step's end); and the monitor's sink threads' CPU time over that span.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,10 +78,29 @@ def _cpu_of(ident) -> float:
         return 0.0
 
 
-def _processing_cpu() -> float:
-    """CPU time of the frame processing threads alive now (every monitor's, for one step)."""
-    from stabilitywatch.processing import THREAD_NAME
-    return sum(_cpu_of(t.ident) for t in threading.enumerate() if t.name == THREAD_NAME)
+def _processing_cpu(mon) -> float:
+    """CPU time of the monitor's frame processing thread (0 without one)."""
+    thread = mon.processor._thread if mon is not None else None
+    return _cpu_of(thread.ident) if thread is not None else 0.0
+
+
+def _sinks_cpu(mon) -> float:
+    """CPU time of the monitor's sink threads."""
+    return sum(_cpu_of(w.thread.ident) for w in mon.sinks._workers) if mon is not None else 0.0
+
+
+class _FrameTimed:
+    """The processing thread's CPU time in the monitor's `_handle`, per frame (by step)."""
+
+    def __init__(self, fn):
+        self.fn, self.cpu = fn, {}
+
+    def __call__(self, frame):
+        t = time.thread_time()
+        try:
+            return self.fn(frame)
+        finally:
+            self.cpu[frame.step] = self.cpu.get(frame.step, 0.0) + time.thread_time() - t
 
 
 class _Timed:
@@ -99,8 +125,9 @@ class _Run:
     """One model and optimizer, monitored (`kind` a bench_steps config) or not ("none")."""
 
     def __init__(self, model: str, kind: str, device: str, smoke: bool, out: str,
-                 keep_hooks: bool = False):
-        self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke)
+                 keep_hooks: bool = False, layers: Optional[int] = None):
+        n = {} if layers is None else {"layers": layers, "smoke_layers": layers}
+        self.m, self.fwd, self.opt, self.ids = bench_steps.build(model, device, smoke, **n)
         self.device = device
         cfg = bench_steps.config(kind)
         self.marks: dict = {}
@@ -113,6 +140,7 @@ class _Run:
             self.mon = sw.watch(self.m, opt, config=cfg, run_dir=out)
             for name in ("_begin", "_end", "observe_loss"):
                 setattr(self.mon, name, _Timed(getattr(self.mon, name)))
+            self.mon._handle = _FrameTimed(self.mon._handle)   # looked up per frame
             # as on a compiled model: the forward hooks stay registered on every step
             self.mon.taps.keep_forward = keep_hooks
         self.handles += [opt.register_step_pre_hook(self._mark("pre1")),
@@ -120,6 +148,7 @@ class _Run:
         self.watched = [mod for _, mod in self.mon.modules] if self.mon is not None else []
         self.rows: dict = {"sampled": [], "unsampled": [], "every": []}
         self.worker = None   # the autograd engine's thread that runs a CUDA backward
+        self._last = None    # (row kept at the last step or None, its processing, sinks CPU)
 
     def _learn_worker(self, grad):
         if threading.get_ident() != threading.main_thread().ident:
@@ -138,7 +167,12 @@ class _Run:
             do_sync()
         w0, c0, a0 = time.perf_counter(), time.thread_time(), _pinned_allocs(device)
         b0 = _cpu_of(self.worker)
-        p0 = _processing_cpu()
+        p0, s0 = _processing_cpu(mon), _sinks_cpu(mon)
+        if self._last is not None and self._last[0] is not None:
+            # the monitor's threads from that step's start to this one's (the other runs'
+            # interleaved steps included: what its frame costs them happens after its end)
+            row, lp, ls = self._last
+            row["to_next"], row["sinks_to_next"] = p0 - lp, s0 - ls
         q0 = mon.processor.waited if mon is not None else 0.0
         ctx = mon.step(i, batch=ids) if mon is not None else bench_steps._null()
         part = dict.fromkeys(PARTS, 0.0)
@@ -169,13 +203,16 @@ class _Run:
         if mon is not None:
             part["begin"], part["end"] = mon._begin.take(), mon._end.take()
             part["observe_loss"] = mon.observe_loss.take()
+        row = None
         if keep:
             k = "every" if mon is None else "sampled" if sampled else "unsampled"
-            self.rows[k].append(dict(part, cpu=c1 - c0, wall=w1 - w0, hooks=hooks,
-                                     bwd_thread=_cpu_of(self.worker) - b0 if b0 else 0.0,
-                                     processing=_processing_cpu() - p0,
-                                     pinned=_pinned_allocs(device) - a0,
-                                     waited=mon.processor.waited - q0 if mon else 0.0))
+            row = dict(part, cpu=c1 - c0, wall=w1 - w0, hooks=hooks,
+                       bwd_thread=_cpu_of(self.worker) - b0 if b0 else 0.0,
+                       processing=_processing_cpu(mon) - p0,
+                       pinned=_pinned_allocs(device) - a0,
+                       waited=mon.processor.waited - q0 if mon else 0.0, step=i)
+            self.rows[k].append(row)
+        self._last = (row, p0, s0)
 
     def forward_ab(self, reps: int) -> tuple[float, float, int]:
         """The forward alone, between steps, with the monitor's forward hooks removed and
@@ -197,21 +234,28 @@ class _Run:
     def close(self) -> dict:
         if self.mon is not None:
             self.mon.close()
+            for v in self.rows.values():
+                for r in v:   # the processing thread's CPU in the frame of that step
+                    r["frame"] = self.mon._handle.cpu.get(r["step"], 0.0)
         for h in self.handles:
             h.remove()
-        return {k: {f: statistics.mean(r[f] for r in v) for f in v[0]} | {"n": len(v)}
+        # the last step kept has no next step: the spans to the next step average the others
+        return {k: {f: statistics.mean(r[f] for r in v if f in r) for f in v[0] if f != "step"}
+                | {f: statistics.mean([r[f] for r in v if f in r] or [0.0])
+                   for f in ("to_next", "sinks_to_next")} | {"n": len(v)}
                 for k, v in self.rows.items() if v}
 
 
 def run_group(model: str, kind: str, device: str, smoke: bool, steps: int, skip: int,
-              sync: bool, out: str, keep_hooks: bool) -> list[dict]:
+              sync: bool, out: str, keep_hooks: bool, layers: Optional[int] = None) -> list[dict]:
     """The unmonitored run, the monitored one (and with `keep_hooks` the monitored one whose
     forward hooks stay registered), their steps interleaved: the machine's drift falls on
     all of them."""
-    runs = [_Run(model, "none", device, smoke, f"{out}-none"),
-            _Run(model, kind, device, smoke, f"{out}-mon")]
+    runs = [_Run(model, "none", device, smoke, f"{out}-none", layers=layers),
+            _Run(model, kind, device, smoke, f"{out}-mon", layers=layers)]
     if keep_hooks:
-        runs.append(_Run(model, kind, device, smoke, f"{out}-kept", keep_hooks=True))
+        runs.append(_Run(model, kind, device, smoke, f"{out}-kept", keep_hooks=True,
+                         layers=layers))
     for i in range(steps):
         for r in (runs if i % 2 else runs[::-1]):
             r.step(i, sync, i >= skip)
@@ -231,11 +275,14 @@ def main(argv=None) -> int:
     p.add_argument("--keep-hooks", action="store_true", help="also a monitored run whose forward "
                    "hooks stay registered on every step (as on a compiled model)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU always has them)")
+    p.add_argument("--layers", type=int, default=None, help="the model's layers (default: 8 at "
+                   "the full size, 2 at the tiny one)")
     a = p.parse_args(argv)
     smoke = a.smoke or a.device == "cpu"
     if a.skip >= a.steps:
         p.error("--skip must be below --steps")
-    print(f"# bench_unsampled: {a.model}{' (tiny)' if smoke else ''} on {a.device}, torch "
+    print(f"# bench_unsampled: {a.model}{' (tiny)' if smoke else ''}, layers "
+          f"{a.layers or 'as built'}, on {a.device}, torch "
           f"{torch.__version__}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"config {a.config!r}, steps {a.skip}..{a.steps - 1} x {a.repeats}"
           f"{', synchronized' if a.sync else ''}")
@@ -245,7 +292,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
             *got, pair = run_group(a.model, a.config, a.device, smoke, a.steps, a.skip, a.sync,
-                                   f"{tmp}/{r}", a.keep_hooks)
+                                   f"{tmp}/{r}", a.keep_hooks, a.layers)
             for k, g in zip(labels, got):
                 runs[k].append(g)
             ab.append(pair)
@@ -256,11 +303,13 @@ def main(argv=None) -> int:
           "observe_loss | "
           "optimizer taps | end | monitor's parts | step CPU | its monitor's part | "
           "backward thread CPU | its monitor's part | wall | its monitor's part | "
-          "forward hooks | pinned allocs | waited | processing thread CPU |")
-    print("|---|---|" + "---:|" * 17)
+          "forward hooks | pinned allocs | waited | processing thread CPU | its frame's "
+          "processing CPU | processing thread CPU, step start to the next | sink threads CPU, "
+          "step start to the next |")
+    print("|---|---|" + "---:|" * 20)
     print(f"| no monitor | every ({runs['none'][0]['every']['n']}) | | {ms(base['forward'])} | "
           f"{ms(base['backward'])} | | | | | {ms(base['cpu'])} | | {ms(base['bwd_thread'])} | | "
-          f"{ms(base['wall'])} | | 0 | | | |")
+          f"{ms(base['wall'])} | | 0 | | | | | | |")
     for label, kind in [(k, kind) for k in labels[1:] for kind in ("unsampled", "sampled")]:
         got = [x[kind] for x in runs[label] if kind in x]
         if not got:
@@ -277,7 +326,8 @@ def main(argv=None) -> int:
               f"{ms(med['bwd_thread'])} | {(med['bwd_thread'] - base['bwd_thread']) * 1e3:+.3f} | "
               f"{ms(med['wall'])} | "
               f"{(med['wall'] - base['wall']) * 1e3:+.3f} | {med['hooks']:.0f} | "
-              f"{med['pinned']:.2f} | {ms(med['waited'])} | {ms(med['processing'])} |")
+              f"{med['pinned']:.2f} | {ms(med['waited'])} | {ms(med['processing'])} | "
+              f"{ms(med['frame'])} | {ms(med['to_next'])} | {ms(med['sinks_to_next'])} |")
     print("(ms per step; forward/backward and the step's monitor's part: against the "
           "unmonitored run's mean, so within the run's noise)")
     off, diff = (statistics.median(x[i] for x in ab) for i in (0, 1))

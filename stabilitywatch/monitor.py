@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import operator
 import os
 import platform
 import time
@@ -21,7 +22,7 @@ from .capture.context import CaptureContext
 from .capture.manager import CaptureManager
 from .capture.treeio import config_to_json
 from .config import Config, Role
-from .detectors.base import Cooldown
+from .detectors.base import Cooldown, idle
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
@@ -113,6 +114,8 @@ class Monitor:
                                              config=config, has_optimizer=optimizer is not None,
                                              release=self._release_frame))
         self.detectors += self.dist.detectors()
+        # per row set, the detectors with something to read there (detectors.base.idle)
+        self._busy: dict = {}
         self.cooldown = Cooldown(config.incidents.cooldown)
         # detectors, incidents, capture decisions and records run off the training thread
         # (processing.py); `_handle` is looked up per frame, so a wrapper of it sees every frame;
@@ -512,18 +515,20 @@ class Monitor:
             return
         # change points are evidence for incidents, not alerts of their own, and each bad write
         # is an event of its own: no cooldown for either
-        alerts = [a for det in self.detectors
+        alerts = [a for det in self._detectors_for(frame)
                   for a in run(f"detector '{det.name}'", det.check, frame, key=("det", id(det)),
                                default=[], step=step)
                   if is_change_point(a) or a.detector in CAUSES or self.cooldown.allow(a)]
-        alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
-        # incidents: roots first (the order sinks receive is alerts.jsonl's file order); change
-        # points in no incident go to stats.jsonl
-        alerts, changes = run("grouping into incidents", self.incidents.group, frame, alerts,
-                              default=(alerts, []), step=step)
-        # "step skipped"; escalation (posted to the training thread)
-        alerts = run("the guard's notes and escalation", self.control.on_alerts, frame, alerts,
-                     default=alerts, step=step)
+        changes: list = []
+        if alerts:   # without alerts, the next two stages give ([], []) and [] and change nothing
+            alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
+            # incidents: roots first (the order sinks receive is alerts.jsonl's file order);
+            # change points in no incident go to stats.jsonl
+            alerts, changes = run("grouping into incidents", self.incidents.group, frame, alerts,
+                                  default=(alerts, []), step=step)
+            # "step skipped"; escalation (posted to the training thread)
+            alerts = run("the guard's notes and escalation", self.control.on_alerts, frame,
+                         alerts, default=alerts, step=step)
         alerts = self._capture(frame, alerts)
         recs = run("stats records", self._records, frame, default=[], step=step)
         if changes and recs:
@@ -531,6 +536,17 @@ class Monitor:
                                                     if k not in ("module", "tensor", "stats")})
         self._emit(alerts)
         self.sinks.log(recs)
+
+    def _detectors_for(self, frame: StatsFrame) -> list:
+        """The detectors to run on a frame: those not idle on its keys (worked out once per row
+        set and list of detectors; a detector added to `self.detectors` later is seen)."""
+        dets, rs = self.detectors, frame.row_set
+        got = self._busy.get(rs)
+        if got is None or len(got[0]) != len(dets) or not all(map(operator.is_, got[0], dets)):
+            if got is None and len(self._busy) >= 8:
+                self._busy.pop(next(iter(self._busy)))
+            got = self._busy[rs] = (tuple(dets), [d for d in dets if not idle(d, rs.keys)])
+        return got[1]
 
     def _emit(self, alerts: list) -> None:
         self.processor.check_live()   # a replaced processing thread writes nothing

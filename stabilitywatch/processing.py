@@ -92,10 +92,11 @@ class Processor:
                 self._inline(tag, frame)
             return
         with self._cond:
-            self._queue.extend((tag, f) for f in frames)
-            if frames and self._thread is None:
-                self._start(None)
-            self._cond.notify_all()
+            if frames:   # a step end that read no frame wakes no thread
+                self._queue.extend((tag, f) for f in frames)
+                if self._thread is None:
+                    self._start(None)
+                self._cond.notify_all()
             self._watch()
 
     def at_begin(self) -> None:
@@ -104,7 +105,8 @@ class Processor:
         need = self._ends - self.lag
         if self.threaded:
             self._wait(lambda: self._through() >= need)
-        self._run_requests(need)
+        if self._requests:   # what the frames through `need` posted is in by now
+            self._run_requests(need)
 
     def wait_all(self) -> None:
         """Wait until every frame queued so far is processed (bounded as at_begin)."""

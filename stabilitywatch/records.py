@@ -17,19 +17,21 @@ def _grad_rows(keys) -> np.ndarray:
                       dtype=np.int64)
 
 
+def _plan(keys) -> tuple:
+    return _grad_rows(keys), shadow_plan(keys), ratio_plan(keys)
+
+
 class FrameRecords:
     """frame_records, with what it works out from a frame's keys kept per row set."""
 
     def __init__(self):
-        self._grads = PerRowSet(_grad_rows)
-        self._updates = PerRowSet(ratio_plan)
-        self._shadows = PerRowSet(shadow_plan)
+        self._plans = PerRowSet(_plan)   # (gradient rows, shadow plan, update-ratio plan)
 
     def __call__(self, frame: StatsFrame, base: dict) -> list[dict]:
         """base: the fields every record of the frame carries (schema, step, rank...)."""
         recs = [{**base, "module": m, "tensor": r, "stats": d}
                 for (m, r), d in zip(frame.keys, frame.derived_rows())]
-        grad = self._grads(frame)
+        grad, shadows, updates = self._plans(frame)
         # frame.rows is host memory (numpy): one array op, no device read
         grad_sq = frame.rows[grad, Stat.SUMSQ].tolist() if len(grad) else []  # sync-ok: numpy
         sent = frame.sentinel
@@ -41,8 +43,12 @@ class FrameRecords:
                 if not grad_sq and frame.world_size > 1:
                     norm["rank_local"] = True   # this rank's gradients (its shards under FSDP)
             recs.append({**base, "module": "", "tensor": "grad_norm", "stats": norm})
-        return (recs + shadow_records(frame, base, self._shadows(frame))
-                + update_records(frame, base, self._updates(frame)))
+        # a frame without shadow or update rows (every unsampled step's) has none of theirs
+        if shadows:
+            recs += shadow_records(frame, base, shadows)
+        if updates:
+            recs += update_records(frame, base, updates)
+        return recs
 
 
 def frame_records(frame: StatsFrame, base: dict) -> list[dict]:

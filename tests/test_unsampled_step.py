@@ -142,6 +142,37 @@ def test_rng_states_read_numpy_in_full_only_when_it_can_have_changed(monkeypatch
     assert reads == [1, 1, 2, 3, 4, 5, 5, 6, 6, 6, 6], reads
 
 
+def test_rng_states_read_python_in_full_only_when_it_can_have_changed():
+    import random
+    from stabilitywatch.capture import rng as rng_mod
+    random.seed(7)
+    kept = {}
+    reader = rng_mod.RngStates()
+    last = reader.read()["python"]
+    assert reader._py_src[2] is not None   # CPython's layout: the words are read in place
+    moves = [lambda: None, lambda: None, lambda: random.random(),
+             lambda: kept.update(g=(random.gauss(0, 1), random.getstate())),   # keeps one
+             lambda: None,
+             lambda: random.gauss(0, 1),     # takes the kept one: the words stay
+             lambda: None,
+             lambda: random.setstate(kept["g"][1]),   # the same words, a Gaussian kept again
+             lambda: random.seed(7), lambda: None,
+             lambda: random.setstate(random.getstate()),  # the same state: nothing moved
+             lambda: np.random.rand(2), lambda: torch.rand(2)]
+    reads, full = [], 0
+    for move in moves:
+        move()
+        st = reader.read()["python"]
+        assert st == random.getstate()
+        full += st is not last   # a full read makes a new state; an unchanged one is kept
+        last = st
+        reads.append(full)
+    # full reads: after the draw, after each gauss (the second only moves gauss_next), after
+    # the setstate that keeps a Gaussian again (the words as they were), after the seed; none
+    # where nothing moved
+    assert reads == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5, 5, 5, 5], reads
+
+
 def test_frames_whose_copies_landed_are_read_without_a_wait_call(tmp_path, monkeypatch):
     """At a step end the frames are polled: an event that completed needs no synchronize (on
     CUDA an API call per copy and per step); only close() waits."""

@@ -268,6 +268,10 @@ class CaptureManager:
         skipped steps through it."""
         with self._lock:
             decided = self._decided
+            if not self._pending:   # most boundaries: nothing queued, nothing to write
+                if self._held is not None and decided is not None and decided >= self._held.last:
+                    self._held = None
+                return decided
             todo = [p for p in self._pending if not p.taken and not p.claimed]
         for p in todo:
             self._take(p)

@@ -5,7 +5,16 @@ from __future__ import annotations
 from ..alert import Alert
 from ..extensions import Detector
 
-__all__ = ["Cooldown", "Detector"]
+__all__ = ["Cooldown", "Detector", "idle"]
+
+
+def idle(detector, keys: tuple) -> bool:
+    """True when `detector` has nothing to read in a frame with these keys: its check() would
+    return no alert and change no state (a built-in detector says so through `_idle_on(keys)`;
+    any other detector is always run). A frame of an unsampled step (the loss row and the
+    sentinel) leaves most of them idle."""
+    fn = getattr(detector, "_idle_on", None)
+    return fn is not None and fn(keys) is True
 
 
 class Cooldown:

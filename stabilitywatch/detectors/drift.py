@@ -109,6 +109,11 @@ class DriftDetector(Detector):
                 fmts.append((i, *keys[i], fmt))
         return np.asarray(keep, dtype=np.int64), series, fmts
 
+    def _idle_on(self, keys: tuple) -> bool:
+        # no row judged (the loss, logits, shadow rows): check() returns at once
+        exclude = self.cfg.drift.exclude_roles
+        return all(_skipped(role, exclude) for _, role in keys)
+
     def check(self, frame: StatsFrame) -> list[Alert]:
         cfg = self.cfg
         keep, series, fmts = self._plans(frame)

@@ -17,6 +17,8 @@ from ..stats.layout import Stat
 from .base import Detector
 
 _READ_BEFORE_LOSS = (Phase.BATCH, Phase.WEIGHT, Phase.FORWARD)
+_SMALL = 2   # frames of at most this many rows (an unsampled step's) are checked row by row
+_NAN, _POSINF, _NEGINF = int(Stat.NAN), int(Stat.POSINF), int(Stat.NEGINF)
 
 
 def _counts(row) -> tuple[float, float]:
@@ -46,9 +48,14 @@ class NonFiniteDetector(Detector):
     def check(self, frame: StatsFrame) -> list[Alert]:
         # shadow.* rows are measurements of a replica, not tensors of the training step
         rows = frame.rows
-        if len(frame.keys):   # one array op over the frame; Python only for the rows that hold any
+        n = len(frame.keys)
+        if n > _SMALL or (n and rows.dtype != np.float64):
+            # one array op over the frame; Python only for the rows that hold any
             hit = np.flatnonzero(rows[:, Stat.NAN] + (rows[:, Stat.POSINF] + rows[:, Stat.NEGINF])
                                  > 0).tolist()  # sync-ok: host numpy
+        elif n:   # the loss row alone: the same float64 sums on Python floats
+            hit = [i for i, r in enumerate(rows.tolist())   # sync-ok: host numpy
+                   if r[_NAN] + (r[_POSINF] + r[_NEGINF]) > 0]
         else:
             hit = []
         bad = [i for i in hit if not frame.keys[i][1].startswith("shadow.")]

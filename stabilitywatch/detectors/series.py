@@ -35,6 +35,10 @@ class Window:
             if len(self.early) == self.n_early:
                 self.baseline = float(np.median(self.early))
 
+    def median(self) -> float:
+        """The median of the window (noise()'s first value)."""
+        return _median(list(self.values))
+
     def noise(self) -> tuple[float, float]:
         """(median, step-to-step noise): 1.4826 * MAD of the successive differences about their
         median, / sqrt(2). A trend (a loss going down) shifts the differences without spreading

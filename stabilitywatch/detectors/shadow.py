@@ -27,6 +27,9 @@ class ShadowDetector(Detector):
         self._hist: dict[tuple[str, str, str], Window] = {}
         self._plans = PerRowSet(shadow_plan)
 
+    def _idle_on(self, keys: tuple) -> bool:
+        return not shadow_plan(keys)   # no error row with its shadow row: nothing to judge
+
     def check(self, frame: StatsFrame) -> list[Alert]:
         cfg, out = self.cfg, []
         for module, kind, sfx, m in shadow_metrics(frame, self._plans(frame)):

@@ -85,6 +85,11 @@ class SpikeDetector(Detector):
             w = self._win[key] = Window(self.cfg.spike.window, early=self.cfg.spike.min_history)
         return w
 
+    def _idle_on(self, keys: tuple) -> bool:
+        # no gradient rows, no loss, no logits: check() judges nothing and pushes nothing
+        return not any(is_grad_role(r) or r in ("attn_logits", "logz") or (m, r) == ("", "loss")
+                       for m, r in keys)
+
     def check(self, frame: StatsFrame) -> list[Alert]:
         out: list[Alert] = []
         mods, groups, series, logits = self._plans(frame)
@@ -113,13 +118,19 @@ class SpikeDetector(Detector):
         cfg, w = self.cfg, self._window(("", "loss"))
         alert = None
         if len(w) >= cfg.spike.min_history:
-            med, sigma = w.noise()
+            med = w.median()
             # while the loss falls (early training) the window's median lags far above it:
             # judge against the recent level too, whichever is lower
             recent = w.recent(cfg.spike.loss_recent)
             base = min(med, recent)
-            thr = max(cfg.spike.z * sigma, cfg.spike.loss_rel * abs(base), 1e-12)
-            if loss - base > thr:
+            # the threshold is at least the last two terms: the noise (two more sorts) is
+            # worked out only for a loss above them
+            if loss - base > max(cfg.spike.loss_rel * abs(base), 1e-12):
+                sigma = w.noise()[1]
+                thr = max(cfg.spike.z * sigma, cfg.spike.loss_rel * abs(base), 1e-12)
+            else:
+                thr = None
+            if thr is not None and loss - base > thr:
                 level = (f"its median {med:.4g} over the last {len(w)} steps" if base == med else
                          f"its recent level {recent:.4g} (median of the last "
                          f"{min(len(w), cfg.spike.loss_recent)} steps; {med:.4g} over the last "

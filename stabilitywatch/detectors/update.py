@@ -81,6 +81,9 @@ class UpdateDetector(Detector):
         self._rings = Rings(config.update.window)   # each module's log2 update ratio
         self._plans = PerRowSet(ratio_plan)
 
+    def _idle_on(self, keys: tuple) -> bool:
+        return not ratio_plan(keys)   # no update row with its weight row: no ratio to judge
+
     def check(self, frame: StatsFrame) -> list[Alert]:
         cfg = self.cfg
         ratios = update_ratios(frame, self._plans(frame))

@@ -189,7 +189,9 @@ def to_parts(records: list[dict[str, Any]]) -> list:
                 j += 1
         if j - i < 2:
             r = records[i]
-            parts.append(("record", {**r, "stats": dict(r.get("stats", {}))}))
+            stats = r.get("stats", {})
+            parts.append(("record", {**r, "stats": stats.to_dict() if isinstance(stats, DerivedRow)
+                                     else dict(stats)}))
             i += 1
             continue
         group = records[i:j]

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from ..alert import Alert
 from .base import Sink
+from .console import ConsoleSink
 from .worker import ABANDONED, OK, TIMED_OUT, Worker
 
 log = logging.getLogger("stabilitywatch")
@@ -39,6 +40,9 @@ class SinkRunner:
         self._changed = threading.Condition()   # a worker finished or was switched off
         self._workers = [Worker(s, n, queue_size, self._wake)
                          for s, n in zip(self.sinks, _names(self.sinks))]
+        # the workers whose sink writes statistics: the console's log() is a no-op, so it is
+        # handed no records (its thread is not woken for each frame's)
+        self._loggers = [w for w in self._workers if type(w.sink).log is not ConsoleSink.log]
 
     @property
     def dropped(self) -> int:
@@ -63,7 +67,7 @@ class SinkRunner:
         if self._closed or not records:
             return
         self._watch()
-        for w in self._workers:
+        for w in self._loggers:
             if w.put_records(records):
                 log.warning("stabilitywatch: sink '%s' is slower than training: its queue is "
                             "full, so stats records are dropped for it (counted in run.json); "

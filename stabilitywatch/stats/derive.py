@@ -9,7 +9,7 @@ import numpy as np
 
 from ..formats import FORMATS, ROW_FORMATS
 from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, shift_is_set
-from .scale import effective_scales
+from .scale import effective_scale, effective_scales
 
 COUNT_KEYS = {"numel": Stat.NUMEL, "nan": Stat.NAN, "posinf": Stat.POSINF,
               "neginf": Stat.NEGINF, "zeros": Stat.ZEROS}
@@ -42,11 +42,12 @@ def derive_table(rows: np.ndarray, scales) -> tuple[dict, Optional[dict], np.nda
     SMALL rows, whose values are worked out one by one: ~60 numpy calls on a single row cost
     more than the loss row's whole frame may), and the rows' exponent histograms (read-only)."""
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_STATS)
-    scale = effective_scales(scales).reshape(-1)
     if rows.shape[0] <= SMALL:
-        table, arrays = Columns(_derive_scalar(rows, scale)), None
+        # effective_scale, one by one: the same values as effective_scales' array operations
+        table = Columns(_derive_scalar(rows, [effective_scale(s) for s in scales]))
+        arrays = None
     else:
-        arrays = _derive_arrays(rows, scale)
+        arrays = _derive_arrays(rows, effective_scales(scales).reshape(-1))
         table = Columns(None, arrays)
     hists = rows[:, Stat.HIST: Stat.HIST + HIST_BINS]  # a view: the frame's rows are its own
     hists.flags.writeable = False
@@ -101,46 +102,60 @@ def _sqrt(v: float) -> float:
     return math.sqrt(v) if v >= 0 else math.nan   # np.sqrt's NaN for a negative (or NaN) value
 
 
-def _derive_scalar(rows: np.ndarray, scales: np.ndarray) -> dict[str, list]:
+def _derive_scalar(rows: np.ndarray, scales: list) -> dict[str, list]:
     """_derive_arrays, value by value, with the same float64 operations in the same order (so
-    the same results; log2 is numpy's, whose results differ from math.log2's in the last bit)."""
-    names = NAMES
-    table: dict[str, list] = {k: [] for k in names}
-    nan = math.nan
-    for r, scale in zip(rows.tolist(), scales.tolist()):   # sync-ok: host numpy arrays
-        n = r[Stat.NUMEL] - r[Stat.NAN] - r[Stat.POSINF] - r[Stat.NEGINF]
+    the same results; log2 is numpy's, whose results differ from math.log2's in the last bit).
+    `scales`: the rows' effective scales (Python floats)."""
+    nan, isfinite, log2 = math.nan, math.isfinite, np.log2
+    got = []
+    for r, scale in zip(rows.tolist(), scales):   # sync-ok: host numpy arrays
+        n = r[_NUMEL] - r[_NAN] - r[_POSINF] - r[_NEGINF]
         has = n > 0
         safe_n = n if has else 1.0
-        absmax = r[Stat.ABSMAX] if has else nan
-        nz = r[Stat.ABSMIN_NZ]
-        mean = r[Stat.SUM] / safe_n if has else nan
-        ms = r[Stat.SUMSQ] / safe_n if has else nan
-        shift = r[Stat.SHIFT]
+        absmax = r[_ABSMAX] if has else nan
+        nz = r[_ABSMIN_NZ]
+        mean = r[_SUM] / safe_n if has else nan
+        ms = r[_SUMSQ] / safe_n if has else nan
+        shift = r[_SHIFT]
         if not (shift == 0 and math.copysign(1.0, shift) < 0):   # layout.shift_is_set
-            dm = r[Stat.SHIFT_SUM] / safe_n
-            var = r[Stat.SHIFT_SUMSQ] / safe_n - dm * dm
+            dm = r[_SHIFT_SUM] / safe_n
+            var = r[_SHIFT_SUMSQ] / safe_n - dm * dm
         else:
             var = ms - mean * mean
-        nonzero = n - r[Stat.ZEROS]
+        nonzero = n - r[_ZEROS]
         amax_s = absmax * scale
-        with np.errstate(all="ignore"):
-            # sync-ok: numpy on host floats (the frame's rows), no device tensor
-            l_amax_s, l_absmax, l_nz = np.log2(np.array([amax_s, absmax, nz])).tolist()
-        vals = [r[i] for i in COUNT_KEYS.values()]
-        vals += [n, r[Stat.MIN] if has else nan, r[Stat.MAX] if has else nan, absmax,
-                 nz if math.isfinite(nz) else nan, r[Stat.SUM] if has else nan, mean,
-                 _sqrt(var if var > 0 or var != var else 0.0) if has else nan,   # np.maximum
-                 _sqrt(ms) if has else nan, _sqrt(r[Stat.SUMSQ]) if has else nan]
-        for fmt in ROW_FORMATS:
-            base = FMT_BASE[fmt]
+        logs = np.array([amax_s, absmax, nz])
+        if amax_s > 0 and absmax > 0 and nz > 0:   # no warning to silence (NaN fails these)
+            l_amax_s, l_absmax, l_nz = log2(logs).tolist()   # sync-ok: host floats
+        else:
+            with np.errstate(all="ignore"):
+                l_amax_s, l_absmax, l_nz = log2(logs).tolist()   # sync-ok: host floats
+        vals = [r[_NUMEL], r[_NAN], r[_POSINF], r[_NEGINF], r[_ZEROS],
+                n, r[_MIN] if has else nan, r[_MAX] if has else nan, absmax,
+                nz if isfinite(nz) else nan, r[_SUM] if has else nan, mean,
+                _sqrt(var if var > 0 or var != var else 0.0) if has else nan,   # np.maximum
+                _sqrt(ms) if has else nan, _sqrt(r[_SUMSQ]) if has else nan]
+        for base, top in _FMT_PARTS:
             over, under = r[base], r[base + 1]
             vals += [over, under, r[base + 2], over / safe_n if has else 0.0,
                      under / nonzero if nonzero > 0 else 0.0,
-                     math.log2(FORMATS[fmt].max) - l_amax_s if has and amax_s > 0 else nan]
-        vals.append(l_absmax - l_nz if has and absmax > 0 and math.isfinite(nz) else nan)
-        for k, v in zip(names, vals):
-            table[k].append(v)
-    return table
+                     top - l_amax_s if has and amax_s > 0 else nan]
+        vals.append(l_absmax - l_nz if has and absmax > 0 and isfinite(nz) else nan)
+        got.append(vals)
+    if len(got) == 1:   # the loss row alone: most frames
+        return {k: [v] for k, v in zip(NAMES, got[0])}
+    return {k: list(col) for k, col in zip(NAMES, zip(*got))}
+
+
+_NUMEL, _NAN, _POSINF, _NEGINF, _ZEROS = (int(Stat.NUMEL), int(Stat.NAN), int(Stat.POSINF),
+                                          int(Stat.NEGINF), int(Stat.ZEROS))
+_MIN, _MAX, _ABSMAX, _ABSMIN_NZ = int(Stat.MIN), int(Stat.MAX), int(Stat.ABSMAX), \
+    int(Stat.ABSMIN_NZ)
+_SUM, _SUMSQ, _SHIFT, _SHIFT_SUM, _SHIFT_SUMSQ = (int(Stat.SUM), int(Stat.SUMSQ),
+                                                  int(Stat.SHIFT), int(Stat.SHIFT_SUM),
+                                                  int(Stat.SHIFT_SUMSQ))
+# per format: (its first count's column, log2 of its max)
+_FMT_PARTS = tuple((FMT_BASE[f], math.log2(FORMATS[f].max)) for f in ROW_FORMATS)
 
 
 # the derived values' names, in the order records carry them
@@ -198,6 +213,13 @@ class DerivedRow(Mapping):
     def column(self, key: str) -> list:
         """This value for every row of the frame (the shared column)."""
         return self._cols[key]
+
+    def to_dict(self) -> dict:
+        """dict(self), made in one comprehension (not a __getitem__ call per key)."""
+        cols, i = self._cols, self._i
+        if type(cols) is Columns:
+            return {k: cols[k][i] for k in NAMES}
+        return {k: v[i] for k, v in cols.items()}
 
     @property
     def table(self) -> dict:

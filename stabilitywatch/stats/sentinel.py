@@ -97,17 +97,17 @@ class SentinelFrame:
 
     def first_bad(self) -> Optional[int]:
         """Index of the first gradient in backward order that holds NaN/Inf, or None."""
-        bad = np.flatnonzero(self.nonfinite > 0)
+        bad = (np.asarray(self.nonfinite) > 0).nonzero()[0]   # np.flatnonzero of a 1-D array
         return int(bad[0]) if len(bad) else None
 
     @property
     def grad_norm(self) -> float:
         """L2 norm over the finite values of every gradient."""
-        return math.sqrt(float(np.sum(self.sumsq)))
+        return math.sqrt(float(np.add.reduce(self.sumsq)))   # np.sum, without its wrapper
 
     @property
     def nonfinite_total(self) -> int:
-        return int(np.sum(self.nonfinite))
+        return int(np.add.reduce(self.nonfinite))
 
     def index(self, module: str, role: str) -> Optional[int]:
         try:

@@ -82,6 +82,7 @@ class SentinelStore:
         # (addresses, present, numel) of the last step, when its gradients were every row's, in
         # row order, plain tensors, and its plan was kept: see write_again
         self._again: Optional[tuple] = None
+        self._meta: Optional[tuple] = None       # present and numel in backward order, kept
 
     def set_keys(self, keys: list) -> None:
         self.keys = list(keys)
@@ -200,26 +201,39 @@ class SentinelStore:
 
     # -- off the hot path ----------------------------------------------------------------------
     def frame(self, p: SentinelPending) -> SentinelFrame:
-        total = np.zeros((len(self.keys), COLS))
-        for d, host, ev in p.copies:
+        n = len(self.keys)
+        order, keys = self._in_order()
+        if len(p.copies) == 1:   # one device (the usual case): its rows in backward order
+            d, host, ev = p.copies[0]
+            cols = host.numpy()[:n][order].T.copy()   # sync-ok: the copy has landed
+            # the sums below over one device: 0 + x, and max(0, x)
+            np.add(cols, 0.0, out=cols)
+            np.maximum(cols[1], 0.0, out=cols[1])
             if ev is not None:   # completed: recorded again by a later step
                 d.events.append(ev)
-            vals = host.numpy()[: len(self.keys)]   # sync-ok: the copy has landed
-            total[:, 0] += vals[:, 0]
-            total[:, 1] = np.maximum(total[:, 1], vals[:, 1])
-            total[:, 2] += vals[:, 2]
-            total[:, 3] += vals[:, 3]
             if host.shape == d.out.shape:
                 d.pool.append(host)
-        order, keys = self._in_order()
+        else:
+            total = np.zeros((n, COLS))
+            for d, host, ev in p.copies:
+                if ev is not None:
+                    d.events.append(ev)
+                vals = host.numpy()[:n]   # sync-ok: the copy has landed
+                total[:, 0] += vals[:, 0]
+                total[:, 1] = np.maximum(total[:, 1], vals[:, 1])
+                total[:, 2] += vals[:, 2]
+                total[:, 3] += vals[:, 3]
+                if host.shape == d.out.shape:
+                    d.pool.append(host)
+            cols = total[order].T.copy()
         flags = None if p.flag is None else p.flag[0].numpy().copy()   # sync-ok: landed
         code = None if flags is None else float(flags[0])
         if p.flag is not None and p.flag[1] is not None:
             self._flag_pool = self._flag_pool[-3:] + [p.flag]
+        present, numel = self._meta_in_order(p.present, p.numel, order)
         f = SentinelFrame(step=p.step, keys=list(keys),
-                          nonfinite=total[order, 0], absmax=total[order, 1],
-                          sumsq=total[order, 2], present=p.present[order],
-                          nan=total[order, 3], numel=p.numel[order],
+                          nonfinite=cols[0], absmax=cols[1], sumsq=cols[2], present=present,
+                          nan=cols[3], numel=numel,
                           ordered=self.order is not None,
                           any_rank_bad=None if code is None else code > 0,
                           bad_rank=int(code) - 1 if code else None,
@@ -238,6 +252,15 @@ class SentinelStore:
             idx = np.asarray(list(order), dtype=np.int64)
             got = self._ordered = (self.order, self.keys, idx, [self.keys[i] for i in idx])
         return got[2], got[3]
+
+    def _meta_in_order(self, present: np.ndarray, numel: np.ndarray, order: np.ndarray):
+        """present[order], numel[order]; the same arrays again while the step's are the same
+        objects (write_again hands the last full write's on) and so is the order (frames only
+        read them)."""
+        got = self._meta
+        if got is None or got[0] is not present or got[1] is not numel or got[2] is not order:
+            got = self._meta = (present, numel, order, present[order], numel[order])
+        return got[3], got[4]
 
     def drain_read(self) -> list:
         """The sentinels read since the last call, in step order."""
