@@ -103,9 +103,36 @@ class _Scratch:
         self.cls = np.empty(CHUNK, dtype=np.uint8)
         self.d = np.empty(CHUNK, dtype=np.float64)
         self.sq = np.empty(CHUNK, dtype=np.float64)
-        self.idx = np.empty(CHUNK, dtype=np.int64)
+        self.idx = np.empty(CHUNK, dtype=np.int32)
         self.words = np.empty(CHUNK // 2, dtype=np.uint64)
         self.raw = torch.empty(CHUNK * 8, dtype=torch.uint8)   # small tensors, concatenated
+        # segment layouts seen lately: the same tensors come back every sampled step
+        self.layouts: dict = {}
+
+
+class _Layout(NamedTuple):
+    sizes: np.ndarray    # values per segment
+    seg: np.ndarray      # int32: each value's segment
+    ebase: np.ndarray    # int32: seg * n_exp, the first exponent-count bin of each value's segment
+    spans: list          # (start, size) of each segment, as Python ints
+
+
+_LAYOUTS = 16
+
+
+def _layout(starts: np.ndarray, n: int, w: _Work, sc: _Scratch) -> _Layout:
+    key = (n, starts.tobytes())
+    got = sc.layouts.get(key)
+    if got is None:
+        sizes = np.diff(np.append(starts, n))
+        seg = np.repeat(np.arange(starts.size, dtype=np.int32), sizes)
+        # int32 throughout: at most CHUNK segments of at most 2048 exponents each
+        got = _Layout(sizes, seg, seg * np.int32(w.n_exp),
+                      list(zip(starts.tolist(), sizes.tolist())))
+        if len(sc.layouts) >= _LAYOUTS:
+            sc.layouts.pop(next(iter(sc.layouts)))
+        sc.layouts[key] = got
+    return got
 
 
 _local = threading.local()
@@ -154,10 +181,12 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
     n, nseg = x.size, starts.size
     out = np.zeros((nseg, N_STATS), dtype=np.float64)
-    sizes = np.diff(np.append(starts, n)) if nseg > 1 else np.array([n])
-    seg = None
+    seg = lay = None
     if nseg > 1:
-        seg = np.repeat(np.arange(nseg, dtype=np.int64), sizes)
+        lay = _layout(starts, n, w, sc)
+        sizes, seg, spans = lay.sizes, lay.seg, lay.spans
+    else:
+        sizes = np.array([n])
 
     def per_seg(values, ufunc=np.add):
         return ufunc.reduceat(values, starts) if seg is not None else ufunc.reduce(values)[None]
@@ -174,7 +203,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             np.greater(v, t, out=mask)
             np.add(cls, mask, out=cls, casting="unsafe")
         idx = sc.idx[:n]
-        np.multiply(seg, tbits.size + 1, out=idx)
+        np.multiply(seg, np.int32(tbits.size + 1), out=idx)
         np.add(idx, cls, out=idx)
         per = _bincount(idx, nseg * (tbits.size + 1)).reshape(nseg, -1)
         return np.cumsum(per[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
@@ -189,8 +218,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         ecount = _bincount(tmp, w.n_exp)
     else:
         idx = sc.idx[:n]
-        np.multiply(seg, w.n_exp, out=idx)
-        np.add(idx, tmp, out=idx)
+        np.add(lay.ebase, tmp, out=idx, casting="unsafe")   # tmp < n_exp
         ecount = _bincount(idx, nseg * w.n_exp)
     ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
     # beyond[:, e]: values whose exponent field exceeds e
@@ -203,6 +231,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         hit = np.count_nonzero(op(ab, t, out=mask))
         if not hit or seg is None:
             return np.full(nseg, float(hit))
+        if nseg <= 32:   # count_nonzero of each segment's view: no cast of the whole mask
+            return np.array([np.count_nonzero(mask[a: a + m]) for a, m in spans], np.float64)
+        if hit * 16 <= n:   # a few values: their segments, not a pass over all
+            at = np.searchsorted(starts, np.flatnonzero(mask), "right") - 1
+            return np.bincount(at, minlength=nseg).astype(np.float64)
         return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
 
     def above_x(tbits):
@@ -287,6 +320,17 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
+    elif nseg <= 16:
+        # each segment as the single one above: its dots read its values where they are, where
+        # products and segment sums write and read whole float64 arrays
+        sums = out[:, Stat.SUM: Stat.SUMSQ + 1]
+        for i, ((a, m), ki) in enumerate(zip(spans, k.tolist())):
+            part = d[a: a + m]
+            sums[i] = dots(part, ONES)
+            np.subtract(part, ki, out=part)
+            if not clean:
+                np.copyto(part, 0.0, where=~mask[a: a + m])
+            out[i, Stat.SHIFT_SUMSQ] = dots(part)[1]
     else:
         np.multiply(d, d, out=sq)
         out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
@@ -316,11 +360,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         out[:, Stat.BITS_LO] = lo16
         out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
         return out
-    np.copyto(d, t, casting="unsafe")
-    out[:, Stat.BITS_LO] = per_seg(d)
+    # integer sums, exact: a segment holds at most CHUNK = 2^16 terms below 2^16 each, so
+    # its sum stays below 2^32 (the work's unsigned type holds it without a cast)
+    out[:, Stat.BITS_LO] = np.add.reduceat(t, starts, dtype=w.uint)
     np.right_shift(u, w.uint(16), out=t)
-    np.copyto(d, t, casting="unsafe")
-    out[:, Stat.BITS_HI] = per_seg(d)
+    out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=w.uint)
     return out
 
 
