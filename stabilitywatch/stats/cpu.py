@@ -65,6 +65,10 @@ class _Thresholds(NamedTuple):
     both: np.ndarray    # fmt and x together, sorted (at scale 1 |y| is |x|: one set of passes)
     x_at: np.ndarray    # where x's and fmt's lie in both
     fmt_at: np.ndarray
+    cols: np.ndarray    # per row format, its (j_max, j_under, j_normal) into fmt
+    bases: np.ndarray   # per row format, its first column in the row
+    plan_both: tuple    # _plan of both
+    plan_x: tuple       # _plan of x
 
 
 @functools.lru_cache(maxsize=2)
@@ -82,8 +86,21 @@ def _thresholds(w: _Work) -> _Thresholds:
     index = {fmt: tuple(t.index(b) for b in v) for fmt, v in want.items()}
     x = [0, w.inf - 1, w.inf]
     both = np.array(sorted(set(x) | set(t)), dtype=w.int)
+    cols = np.array([index[fmt] for fmt in ROW_FORMATS], dtype=np.int64)   # [fmt, (max, under, normal)]
     return _Thresholds(np.array(t, dtype=w.int), index, np.array(x, dtype=w.int), both,
-                       np.searchsorted(both, x), np.searchsorted(both, t))
+                       np.searchsorted(both, x), np.searchsorted(both, t), cols,
+                       np.array([FMT_BASE[fmt] for fmt in ROW_FORMATS], dtype=np.int64),
+                       _plan(both, w), _plan(np.array(x, dtype=w.int), w))
+
+
+def _plan(tbits: np.ndarray, w: "_Work") -> tuple:
+    # per threshold T: (index, T's exponent, T as a Python int, 0 = none of T's exponent lies
+    # above it | 1 = all but those equal to it | 2 = compare)
+    out = []
+    for j, tb in enumerate(tbits.tolist()):
+        m = tb & w.mant
+        out.append((j, tb >> w.exp_shift, tb, 0 if m == w.mant else 1 if m == 0 else 2))
+    return np.array([e for _, e, _, _ in out], dtype=np.int64), [o for o in out if o[3]]
 
 
 def _work_of(dtype: torch.dtype) -> _Work:
@@ -158,8 +175,13 @@ def _load(parts: list, w: _Work, sc: _Scratch) -> np.ndarray:
             return host_view(src.reshape(-1))
     else:
         dtype = parts[0].dtype
+        flat = [p.detach().resolve_neg().reshape(-1) for p in parts]
+        if dtype == (torch.float64 if w is _F64 else torch.float32):
+            x = sc.x[:n]   # one copy: straight into the work array
+            torch.cat(flat, out=torch.from_numpy(x))
+            return x
         staged = sc.raw[: n * parts[0].element_size()].view(dtype)
-        src = torch.cat([p.detach().resolve_neg().reshape(-1) for p in parts], out=staged)
+        src = torch.cat(flat, out=staged)
     x = sc.x[:n]
     torch.from_numpy(x).view(src.shape).copy_(src)
     return x
@@ -238,33 +260,32 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             return np.bincount(at, minlength=nseg).astype(np.float64)
         return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
 
-    def above_x(tbits):
+    def above_x(tbits, plan):
         # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
         # T's own exponent above T. None are when T is its exponent's largest pattern; when T
         # is the smallest, all are but those equal to T (one equality pass, most often empty)
-        e_t = tbits >> w.exp_shift
+        e_t, todo = plan
         res = beyond[:, e_t]
-        for j in np.flatnonzero(occupied[e_t]):
-            m = int(tbits[j]) & w.mant
-            if m == w.mant:
+        for j, e, tb, kind in todo:
+            if not occupied[e]:
                 continue
-            if m == 0:
-                res[:, j] += ecount[:, e_t[j]] - count(np.equal, tbits[j])
+            if kind == 1:
+                res[:, j] += ecount[:, e] - count(np.equal, tb)
             else:
-                res[:, j] = count(np.greater, tbits[j])
+                res[:, j] = count(np.greater, tb)
         return res
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
     # above every one (|x * s| is NaN or Inf), so both come back out by their counts.
     th = _thresholds(w)
     if scale == 1.0:
-        above = above_x(th.both)
+        above = above_x(th.both, th.plan_both)
         ax, af = above[:, th.x_at], above[:, th.fmt_at]
     else:
         y = sc.d[:n].view(w.float)[:n] if w is _F32 else sc.sq[:n]
         np.multiply(x, w.float(scale), out=y)
         np.abs(y, out=y)
-        ax, af = above_x(th.x), above_of(y.view(w.int), th.fmt)
+        ax, af = above_x(th.x, th.plan_x), above_of(y.view(w.int), th.fmt)
     nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
     zeros = sizes - nonzero
     if nonfinite.any():
@@ -281,12 +302,10 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
     fnz = nonzero - nonfinite
     fnz_all = sizes - nonfinite          # finite values, zeros included
-    for fmt in ROW_FORMATS:
-        j_max, j_under, j_normal = th.index[fmt]
-        base = FMT_BASE[fmt]
-        out[:, base] = af[:, j_max]
-        out[:, base + 1] = fnz - af[:, j_under]
-        out[:, base + 2] = af[:, j_under] - af[:, j_normal]
+    j_max, j_under, j_normal = th.cols[:, 0], th.cols[:, 1], th.cols[:, 2]
+    out[:, th.bases] = af[:, j_max]
+    out[:, th.bases + 1] = fnz[:, None] - af[:, j_under]
+    out[:, th.bases + 2] = af[:, j_under] - af[:, j_normal]
 
     lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
     hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
@@ -315,7 +334,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     if not clean:
         np.copyto(d, 0.0, where=~mask)
     if seg is None:
-        out[0, Stat.SUM], out[0, Stat.SUMSQ] = dots(d, ONES)
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = np.add.reduce(d), dots(d)[1]
         np.subtract(d, k[0], out=d)
         if not clean:
             np.copyto(d, 0.0, where=~mask)
@@ -326,7 +345,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         sums = out[:, Stat.SUM: Stat.SUMSQ + 1]
         for i, ((a, m), ki) in enumerate(zip(spans, k.tolist())):
             part = d[a: a + m]
-            sums[i] = dots(part, ONES)
+            sums[i] = np.add.reduce(part), dots(part)[1]
             np.subtract(part, ki, out=part)
             if not clean:
                 np.copyto(part, 0.0, where=~mask[a: a + m])
