@@ -34,9 +34,9 @@ from .cpu_sums import ONES, dots, halves
 from .scale import effective_scale
 
 # values per pass: a float32 chunk and its float64 copies stay in L2
-CHUNK = 1 << 16
+CHUNK = 1 << 17
 # tensors up to SMALL values share passes with others, up to CHUNK values per batch
-SMALL = 1 << 14
+SMALL = 1 << 16
 
 
 class _Work(NamedTuple):
@@ -100,7 +100,11 @@ def _plan(tbits: np.ndarray, w: "_Work") -> tuple:
     for j, tb in enumerate(tbits.tolist()):
         m = tb & w.mant
         out.append((j, tb >> w.exp_shift, tb, 0 if m == w.mant else 1 if m == 0 else 2))
-    return np.array([e for _, e, _, _ in out], dtype=np.int64), [o for o in out if o[3]]
+    bins: dict = {}
+    for j, e, tb, kind in out:
+        if kind:
+            bins.setdefault(e, []).append((j, tb, kind))
+    return np.array([e for _, e, _, _ in out], dtype=np.int64), list(bins.items())
 
 
 def _work_of(dtype: torch.dtype) -> _Work:
@@ -246,33 +250,51 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     # beyond[:, e]: values whose exponent field exceeds e
     beyond = np.zeros((nseg, w.n_exp), dtype=np.float64)
     beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
-    occupied = ecount.any(axis=0)
+    etotal = ecount.sum(axis=0) if nseg > 1 else ecount[0]   # values per exponent field
 
     def count(op, t):
         # [nseg]: values with op(|x| bits, t); one pass, a second only when some value counts
         hit = np.count_nonzero(op(ab, t, out=mask))
         if not hit or seg is None:
             return np.full(nseg, float(hit))
-        if nseg <= 32:   # count_nonzero of each segment's view: no cast of the whole mask
-            return np.array([np.count_nonzero(mask[a: a + m]) for a, m in spans], np.float64)
         if hit * 16 <= n:   # a few values: their segments, not a pass over all
             at = np.searchsorted(starts, np.flatnonzero(mask), "right") - 1
             return np.bincount(at, minlength=nseg).astype(np.float64)
+        if nseg <= 32:   # count_nonzero of each segment's view: no cast of the whole mask
+            return np.array([np.count_nonzero(mask[a: a + m]) for a, m in spans], np.float64)
         return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
 
     def above_x(tbits, plan):
         # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
         # T's own exponent above T. None are when T is its exponent's largest pattern; when T
         # is the smallest, all are but those equal to T (one equality pass, most often empty)
-        e_t, todo = plan
+        e_t, bins = plan
         res = beyond[:, e_t]
-        for j, e, tb, kind in todo:
-            if not occupied[e]:
+        for e, todo in bins:
+            inside = etotal[e]
+            if not inside:
                 continue
-            if kind == 1:
-                res[:, j] += ecount[:, e] - count(np.equal, tb)
-            else:
-                res[:, j] = count(np.greater, tb)
+            if inside * 16 <= n and (len(todo) > 1 or seg is not None):
+                # few values of T's exponent: they alone answer for every T of it (one pass
+                # finds them), by segment without a pass of their own
+                np.equal(tmp, e, out=mask)
+                pos = np.flatnonzero(mask)
+                v = ab[pos]
+                at = None if seg is None else np.searchsorted(starts, pos, "right") - 1
+                for j, tb, kind in todo:
+                    hit = v == tb if kind == 1 else v > tb
+                    got = (np.bincount(at[hit], minlength=nseg) if at is not None
+                           else np.count_nonzero(hit))
+                    if kind == 1:
+                        res[:, j] += ecount[:, e] - got
+                    else:
+                        res[:, j] += got
+                continue
+            for j, tb, kind in todo:
+                if kind == 1:
+                    res[:, j] += ecount[:, e] - count(np.equal, tb)
+                else:
+                    res[:, j] = count(np.greater, tb)
         return res
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
@@ -339,9 +361,10 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
-    elif nseg <= 16:
-        # each segment as the single one above: its dots read its values where they are, where
-        # products and segment sums write and read whole float64 arrays
+    elif nseg <= 8:
+        # each of a few segments as the single one above: its dots read its values where they
+        # are, where products and segment sums write and read whole float64 arrays (for many
+        # segments, the calls per segment cost more than those passes)
         sums = out[:, Stat.SUM: Stat.SUMSQ + 1]
         for i, ((a, m), ki) in enumerate(zip(spans, k.tolist())):
             part = d[a: a + m]
@@ -379,11 +402,12 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         out[:, Stat.BITS_LO] = lo16
         out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
         return out
-    # integer sums, exact: a segment holds at most CHUNK = 2^16 terms below 2^16 each, so
-    # its sum stays below 2^32 (the work's unsigned type holds it without a cast)
-    out[:, Stat.BITS_LO] = np.add.reduceat(t, starts, dtype=w.uint)
+    # integer sums, exact: a segment of at most 2^16 terms below 2^16 each sums below 2^32,
+    # which the work's unsigned type holds without a cast; longer ones sum in uint64
+    acc = w.uint if int(sizes.max()) <= 1 << 16 else np.uint64
+    out[:, Stat.BITS_LO] = np.add.reduceat(t, starts, dtype=acc)
     np.right_shift(u, w.uint(16), out=t)
-    out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=w.uint)
+    out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=acc)
     return out
 
 
