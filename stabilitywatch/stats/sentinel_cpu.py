@@ -86,10 +86,11 @@ def _together(grads: list, slots: list, o: np.ndarray) -> list:
     # NaN and Inf propagate into both extrema: such a gradient is read again on its own
     clean = np.isfinite(lo) & np.isfinite(hi)
     amax = np.maximum(-lo.astype(np.float64), hi)
-    for k in np.flatnonzero(clean).tolist():
-        s = keep[k][1]
-        o[s, C_ABSMAX] = max(o[s, C_ABSMAX], amax[k])
-        o[s, C_SUMSQ] += sq[k]
+    rows = np.array([s for _, s in keep], dtype=np.int64)[clean]   # distinct rows
+    o[rows, C_ABSMAX] = np.maximum(o[rows, C_ABSMAX], amax[clean])
+    o[rows, C_SUMSQ] += sq[clean]
+    if clean.all():
+        return rest
     return rest + [keep[k] for k in np.flatnonzero(~clean).tolist()]
 
 
