@@ -52,29 +52,43 @@ def sentinel_host(grads: list, out: torch.Tensor, slots: list) -> None:
 
 
 # gradients read together up to this many values (a float32 and a float64 copy of them)
-TOGETHER = 1 << 20
+TOGETHER = 1 << 18
+# larger gradients are read on their own, in place: their calls cost little next to their
+# values, which a copy would read twice
+ALONE = 1 << 14
 
 
 def _together(grads: list, slots: list, o: np.ndarray) -> list:
-    """The contiguous float32 gradients of distinct rows, read as one array: one copy, then
-    each statistic over all of them (per gradient by segment sums), where ~6 numpy calls per
-    gradient cost more than reading its values. Returns the (gradient, row) pairs left for
-    _one: other dtypes and layouts, and the gradients holding a NaN or an Inf (their counts
-    take passes of their own)."""
-    rest, keep = [], []
+    """The small contiguous float32 gradients of distinct rows, read together in groups of up
+    to TOGETHER values: one copy per group, then each statistic over all of them (per gradient by
+    segment sums), where ~6 numpy calls per gradient cost more than reading its values.
+    Returns the (gradient, row) pairs left for _one: other dtypes, layouts and larger
+    gradients, and those holding a NaN or an Inf (their counts take passes of their own)."""
+    rest: list = []
+    group: list = []
+    used = 0
     seen: set = set()
     for g, s in zip(grads, slots):
-        if not g.numel():
+        n = g.numel()
+        if not n:
             continue
-        if g.dtype == torch.float32 and g.is_contiguous() and not g.is_neg() and s not in seen:
+        if (g.dtype == torch.float32 and n <= ALONE and g.is_contiguous() and not g.is_neg()
+                and s not in seen):
             seen.add(s)
-            keep.append((g, s))
+            if used + n > TOGETHER:
+                rest += _group(group, used, o)
+                group, used = [], 0
+            group.append((g, s))
+            used += n
         else:
             rest.append((g, s))
+    return rest + _group(group, used, o)
+
+
+def _group(keep: list, total: int, o: np.ndarray) -> list:
+    if len(keep) < 2:
+        return keep
     sizes = [g.numel() for g, _ in keep]
-    total = sum(sizes)
-    if len(keep) < 2 or total > TOGETHER:
-        return rest + keep
     x32, x64 = _wide(total)
     torch.cat([g.detach().reshape(-1) for g, _ in keep], out=torch.from_numpy(x32))
     starts = np.zeros(len(keep), dtype=np.int64)
@@ -90,8 +104,8 @@ def _together(grads: list, slots: list, o: np.ndarray) -> list:
     o[rows, C_ABSMAX] = np.maximum(o[rows, C_ABSMAX], amax[clean])
     o[rows, C_SUMSQ] += sq[clean]
     if clean.all():
-        return rest
-    return rest + [keep[k] for k in np.flatnonzero(~clean).tolist()]
+        return []
+    return [keep[k] for k in np.flatnonzero(~clean).tolist()]
 
 
 def _wide(n: int) -> tuple:
