@@ -134,11 +134,11 @@ class _Scratch:
 
 class _Layout(NamedTuple):
     sizes: np.ndarray    # values per segment
-    seg: np.ndarray      # int32: each value's segment
-    ebase: np.ndarray    # int32: seg * n_exp, the first exponent-count bin of each value's segment
+    ebase: np.ndarray    # int32: each value's segment times n_exp, its first exponent-count bin
     spans: list          # (start, size) of each segment, as Python ints
 
 
+# layouts kept per thread and work dtype: up to 4 bytes a value, 8 MiB at most
 _LAYOUTS = 16
 
 
@@ -147,10 +147,9 @@ def _layout(starts: np.ndarray, n: int, w: _Work, sc: _Scratch) -> _Layout:
     got = sc.layouts.get(key)
     if got is None:
         sizes = np.diff(np.append(starts, n))
-        seg = np.repeat(np.arange(starts.size, dtype=np.int32), sizes)
         # int32 throughout: at most CHUNK segments of at most 2048 exponents each
-        got = _Layout(sizes, seg, seg * np.int32(w.n_exp),
-                      list(zip(starts.tolist(), sizes.tolist())))
+        ebase = np.repeat(np.arange(0, starts.size * w.n_exp, w.n_exp, dtype=np.int32), sizes)
+        got = _Layout(sizes, ebase, list(zip(starts.tolist(), sizes.tolist())))
         if len(sc.layouts) >= _LAYOUTS:
             sc.layouts.pop(next(iter(sc.layouts)))
         sc.layouts[key] = got
@@ -208,10 +207,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
     n, nseg = x.size, starts.size
     out = np.zeros((nseg, N_STATS), dtype=np.float64)
-    seg = lay = None
+    # seg: the segments' layout, None for a single tensor (whole-array reductions)
+    seg = None
     if nseg > 1:
-        lay = _layout(starts, n, w, sc)
-        sizes, seg, spans = lay.sizes, lay.seg, lay.spans
+        seg = _layout(starts, n, w, sc)
+        sizes, spans = seg.sizes, seg.spans
     else:
         sizes = np.array([n])
 
@@ -230,7 +230,8 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             np.greater(v, t, out=mask)
             np.add(cls, mask, out=cls, casting="unsafe")
         idx = sc.idx[:n]
-        np.multiply(seg, np.int32(tbits.size + 1), out=idx)
+        np.floor_divide(seg.ebase, np.int32(w.n_exp), out=idx)   # each value's segment
+        np.multiply(idx, np.int32(tbits.size + 1), out=idx)
         np.add(idx, cls, out=idx)
         per = _bincount(idx, nseg * (tbits.size + 1)).reshape(nseg, -1)
         return np.cumsum(per[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
@@ -245,7 +246,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         ecount = _bincount(tmp, w.n_exp)
     else:
         idx = sc.idx[:n]
-        np.add(lay.ebase, tmp, out=idx, casting="unsafe")   # tmp < n_exp
+        np.add(seg.ebase, tmp, out=idx, casting="unsafe")   # tmp < n_exp
         ecount = _bincount(idx, nseg * w.n_exp)
     ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
     # beyond[:, e]: values whose exponent field exceeds e
