@@ -46,10 +46,17 @@ class Slot:
     ready: Any = None                   # CUDA event: the side-stream copy into host memory is done
     host: Optional[HostBuffers] = None  # pinned ring: model and optim are views of its buffers
     gather: Optional[Gather] = None     # its copy plan from the current tensors
+    _nbytes: Optional[tuple] = None     # (sig, bytes of model and optim) for nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.model, self.optim) for t in d.values())
+        # the buffers change only with the signature (Snapshotter._allocate): counted once each
+        got = self._nbytes
+        if got is None or got[0] is not self.sig:
+            got = self._nbytes = (self.sig, sum(t.numel() * t.element_size()
+                                                for d in (self.model, self.optim)
+                                                for t in d.values()))
+        return got[1]
 
 
 def _model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

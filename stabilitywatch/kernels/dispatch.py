@@ -106,6 +106,9 @@ def accumulate(t: torch.Tensor, row: torch.Tensor, scale: "float | torch.Tensor"
         merge_into(row, reference_row(t, scale))
 
 
+_HOST_DTYPES = host.SUPPORTED_DTYPES
+
+
 def _host_ok(t: torch.Tensor, row_device: torch.device, scale, backend: str) -> bool:
     # the CPU path (stats/cpu.py) for CPU tensors into CPU rows; backend="torch" asks for the
     # reference itself, and code being traced by torch.compile gets torch ops it can trace
@@ -122,6 +125,14 @@ def _compiling() -> bool:
 def host_scale_of(t: torch.Tensor, rows: torch.Tensor, scale, backend: str = "auto"):
     """The scale as the CPU path takes it (a float) when that path reads t into rows (CPU
     tensor and rows, no kernel for it), else None."""
+    if backend == "auto" and type(scale) is float and t.device.type == "cpu":
+        # the hooks' path on the CPU: "auto" runs no kernel there, and a float scale is on
+        # the host (the checks below, for what is left)
+        if (t.dtype in _HOST_DTYPES and t.layout == torch.strided and rows.device.type == "cpu"
+                and rows.dtype == torch.float64 and not rows.requires_grad
+                and not _compiling()):
+            return host.host_scale(scale)
+        return None
     if (not _kernel_ok(t, backend) and _host_ok(t, rows.device, scale, backend)
             and rows.dtype == torch.float64 and not rows.requires_grad):
         return host.host_scale(scale)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .backend import TORCH, RowBackend
+from .cpu import cpu_rows, host_view, merge_host
 from .cpu_stage import HostStage
 from .device_rows import DeviceRows
 from .frame import Phase, StatsFrame
@@ -77,8 +78,11 @@ class StatsBuffer:
             ops = self.ops
             s = (ops.host_scale_of(t, self._dev[device].rows, scale, self.backend)
                  if device.type == "cpu" and ops.host_scale_of is not None else None)
-            if s is None or not self._stage.put(t, slot, s, self.rows_of):
+            if s is None:
                 self._accumulate(t, row, scale, self.backend)
+            elif not self._stage.put(t, slot, s, self.rows_of) and t.numel():
+                # the CPU path, as the backend would take it (host_scale_of said so)
+                merge_host(host_view(row).reshape(1, -1), cpu_rows([t], [s]))
         except BaseException:
             self._drop([slot])
             raise
@@ -153,8 +157,24 @@ class StatsBuffer:
             self._plans[(phase, overwrite)] = ManyPlan(*sig, slots, launches, singles, span)
 
     def _accumulate_singles(self, items: list, singles: list) -> None:
-        # one call for all: CPU tensors share the CPU path's passes (stats/cpu.py)
+        # one call for all: CPU tensors share the CPU path's passes (stats/cpu.py), the small
+        # ones in the stage with the step's other small CPU tensors
         ops = self.ops
+        if singles and ops.host_scale_of is not None:
+            held, rest = [], []
+            for k, slot in singles:
+                t, _, _, scale = items[k]
+                s = (ops.host_scale_of(t, self._dev[t.device].rows, scale, self.backend)
+                     if t.device.type == "cpu" else None)
+                if s is None:
+                    rest.append((k, slot))
+                else:
+                    held.append((k, slot, s))
+            if held:
+                left = self._stage.put_many([(items[k][0], slot, s) for k, slot, s in held],
+                                            self.rows_of)
+                rest += [held[i][:2] for i in left]
+            singles = rest
         if ops.accumulate_each is None:
             for k, slot in singles:
                 t, _, _, scale = items[k]

@@ -30,13 +30,14 @@ from ..formats import FORMATS, ROW_FORMATS
 from .layout import FMT_BASE, HIST_BINS, HIST_EMIN, N_STATS, Stat, init_row, merge_rows
 from .reference import SUPPORTED_DTYPES
 from .cpu_merge import merge_at, merge_host  # noqa: F401 (the CPU path's row merges)
-from .cpu_sums import ONES, dots, halves
+from .cpu_sums import dots, halves
 from .scale import effective_scale
 
-# values per pass: a float32 chunk and its float64 copies stay in L2
-CHUNK = 1 << 16
+# values per batch of passes: each batch costs ~0.12 ms of numpy calls whatever its size, and
+# past 2^16 values a value costs about the same (the demo's step: 6 batches, not 12)
+CHUNK = 1 << 17
 # tensors up to SMALL values share passes with others, up to CHUNK values per batch
-SMALL = 1 << 14
+SMALL = 1 << 16
 
 
 class _Work(NamedTuple):
@@ -65,6 +66,10 @@ class _Thresholds(NamedTuple):
     both: np.ndarray    # fmt and x together, sorted (at scale 1 |y| is |x|: one set of passes)
     x_at: np.ndarray    # where x's and fmt's lie in both
     fmt_at: np.ndarray
+    cols: np.ndarray    # per row format, its (j_max, j_under, j_normal) into fmt
+    bases: np.ndarray   # per row format, its first column in the row
+    plan_both: tuple    # _plan of both
+    plan_x: tuple       # _plan of x
 
 
 @functools.lru_cache(maxsize=2)
@@ -82,8 +87,25 @@ def _thresholds(w: _Work) -> _Thresholds:
     index = {fmt: tuple(t.index(b) for b in v) for fmt, v in want.items()}
     x = [0, w.inf - 1, w.inf]
     both = np.array(sorted(set(x) | set(t)), dtype=w.int)
+    cols = np.array([index[fmt] for fmt in ROW_FORMATS], dtype=np.int64)   # [fmt, (max, under, normal)]
     return _Thresholds(np.array(t, dtype=w.int), index, np.array(x, dtype=w.int), both,
-                       np.searchsorted(both, x), np.searchsorted(both, t))
+                       np.searchsorted(both, x), np.searchsorted(both, t), cols,
+                       np.array([FMT_BASE[fmt] for fmt in ROW_FORMATS], dtype=np.int64),
+                       _plan(both, w), _plan(np.array(x, dtype=w.int), w))
+
+
+def _plan(tbits: np.ndarray, w: "_Work") -> tuple:
+    # per threshold T: (index, T's exponent, T as a Python int, 0 = none of T's exponent lies
+    # above it | 1 = all but those equal to it | 2 = compare)
+    out = []
+    for j, tb in enumerate(tbits.tolist()):
+        m = tb & w.mant
+        out.append((j, tb >> w.exp_shift, tb, 0 if m == w.mant else 1 if m == 0 else 2))
+    bins: dict = {}
+    for j, e, tb, kind in out:
+        if kind:
+            bins.setdefault(e, []).append((j, tb, kind))
+    return np.array([e for _, e, _, _ in out], dtype=np.int64), list(bins.items())
 
 
 def _work_of(dtype: torch.dtype) -> _Work:
@@ -103,9 +125,35 @@ class _Scratch:
         self.cls = np.empty(CHUNK, dtype=np.uint8)
         self.d = np.empty(CHUNK, dtype=np.float64)
         self.sq = np.empty(CHUNK, dtype=np.float64)
-        self.idx = np.empty(CHUNK, dtype=np.int64)
+        self.idx = np.empty(CHUNK, dtype=np.int32)
         self.words = np.empty(CHUNK // 2, dtype=np.uint64)
         self.raw = torch.empty(CHUNK * 8, dtype=torch.uint8)   # small tensors, concatenated
+        # segment layouts seen lately: the same tensors come back every sampled step
+        self.layouts: dict = {}
+
+
+class _Layout(NamedTuple):
+    sizes: np.ndarray    # values per segment
+    ebase: np.ndarray    # int32: each value's segment times n_exp, its first exponent-count bin
+    spans: list          # (start, size) of each segment, as Python ints
+
+
+# layouts kept per thread and work dtype: up to 4 bytes a value, 8 MiB at most
+_LAYOUTS = 16
+
+
+def _layout(starts: np.ndarray, n: int, w: _Work, sc: _Scratch) -> _Layout:
+    key = (n, starts.tobytes())
+    got = sc.layouts.get(key)
+    if got is None:
+        sizes = np.diff(np.append(starts, n))
+        # int32 throughout: at most CHUNK segments of at most 2048 exponents each
+        ebase = np.repeat(np.arange(0, starts.size * w.n_exp, w.n_exp, dtype=np.int32), sizes)
+        got = _Layout(sizes, ebase, list(zip(starts.tolist(), sizes.tolist())))
+        if len(sc.layouts) >= _LAYOUTS:
+            sc.layouts.pop(next(iter(sc.layouts)))
+        sc.layouts[key] = got
+    return got
 
 
 _local = threading.local()
@@ -131,8 +179,13 @@ def _load(parts: list, w: _Work, sc: _Scratch) -> np.ndarray:
             return host_view(src.reshape(-1))
     else:
         dtype = parts[0].dtype
+        flat = [p.detach().resolve_neg().reshape(-1) for p in parts]
+        if dtype == (torch.float64 if w is _F64 else torch.float32):
+            x = sc.x[:n]   # one copy: straight into the work array
+            torch.cat(flat, out=torch.from_numpy(x))
+            return x
         staged = sc.raw[: n * parts[0].element_size()].view(dtype)
-        src = torch.cat([p.detach().resolve_neg().reshape(-1) for p in parts], out=staged)
+        src = torch.cat(flat, out=staged)
     x = sc.x[:n]
     torch.from_numpy(x).view(src.shape).copy_(src)
     return x
@@ -154,10 +207,13 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
     n, nseg = x.size, starts.size
     out = np.zeros((nseg, N_STATS), dtype=np.float64)
-    sizes = np.diff(np.append(starts, n)) if nseg > 1 else np.array([n])
+    # seg: the segments' layout, None for a single tensor (whole-array reductions)
     seg = None
     if nseg > 1:
-        seg = np.repeat(np.arange(nseg, dtype=np.int64), sizes)
+        seg = _layout(starts, n, w, sc)
+        sizes, spans = seg.sizes, seg.spans
+    else:
+        sizes = np.array([n])
 
     def per_seg(values, ufunc=np.add):
         return ufunc.reduceat(values, starts) if seg is not None else ufunc.reduce(values)[None]
@@ -174,7 +230,8 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             np.greater(v, t, out=mask)
             np.add(cls, mask, out=cls, casting="unsafe")
         idx = sc.idx[:n]
-        np.multiply(seg, tbits.size + 1, out=idx)
+        np.floor_divide(seg.ebase, np.int32(w.n_exp), out=idx)   # each value's segment
+        np.multiply(idx, np.int32(tbits.size + 1), out=idx)
         np.add(idx, cls, out=idx)
         per = _bincount(idx, nseg * (tbits.size + 1)).reshape(nseg, -1)
         return np.cumsum(per[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
@@ -189,49 +246,71 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         ecount = _bincount(tmp, w.n_exp)
     else:
         idx = sc.idx[:n]
-        np.multiply(seg, w.n_exp, out=idx)
-        np.add(idx, tmp, out=idx)
+        np.add(seg.ebase, tmp, out=idx, casting="unsafe")   # tmp < n_exp
         ecount = _bincount(idx, nseg * w.n_exp)
     ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
     # beyond[:, e]: values whose exponent field exceeds e
     beyond = np.zeros((nseg, w.n_exp), dtype=np.float64)
     beyond[:, :-1] = np.cumsum(ecount[:, :0:-1], axis=1)[:, ::-1]
-    occupied = ecount.any(axis=0)
+    etotal = ecount.sum(axis=0) if nseg > 1 else ecount[0]   # values per exponent field
 
     def count(op, t):
         # [nseg]: values with op(|x| bits, t); one pass, a second only when some value counts
         hit = np.count_nonzero(op(ab, t, out=mask))
         if not hit or seg is None:
             return np.full(nseg, float(hit))
+        if hit * 16 <= n:   # a few values: their segments, not a pass over all
+            at = np.searchsorted(starts, np.flatnonzero(mask), "right") - 1
+            return np.bincount(at, minlength=nseg).astype(np.float64)
+        if nseg <= 32:   # count_nonzero of each segment's view: no cast of the whole mask
+            return np.array([np.count_nonzero(mask[a: a + m]) for a, m in spans], np.float64)
         return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
 
-    def above_x(tbits):
+    def above_x(tbits, plan):
         # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
         # T's own exponent above T. None are when T is its exponent's largest pattern; when T
         # is the smallest, all are but those equal to T (one equality pass, most often empty)
-        e_t = tbits >> w.exp_shift
+        e_t, bins = plan
         res = beyond[:, e_t]
-        for j in np.flatnonzero(occupied[e_t]):
-            m = int(tbits[j]) & w.mant
-            if m == w.mant:
+        for e, todo in bins:
+            inside = etotal[e]
+            if not inside:
                 continue
-            if m == 0:
-                res[:, j] += ecount[:, e_t[j]] - count(np.equal, tbits[j])
-            else:
-                res[:, j] = count(np.greater, tbits[j])
+            if inside * 16 <= n and (len(todo) > 1 or seg is not None):
+                # few values of T's exponent: they alone answer for every T of it (one pass
+                # finds them), by segment without a pass of their own (one T of one segment:
+                # its own comparison costs no more)
+                np.equal(tmp, e, out=mask)
+                pos = np.flatnonzero(mask)
+                v = ab[pos]
+                at = None if seg is None else np.searchsorted(starts, pos, "right") - 1
+                for j, tb, kind in todo:
+                    hit = v == tb if kind == 1 else v > tb
+                    got = (np.bincount(at[hit], minlength=nseg) if at is not None
+                           else np.count_nonzero(hit))
+                    if kind == 1:
+                        res[:, j] += ecount[:, e] - got
+                    else:
+                        res[:, j] += got
+                continue
+            for j, tb, kind in todo:
+                if kind == 1:
+                    res[:, j] += ecount[:, e] - count(np.equal, tb)
+                else:
+                    res[:, j] = count(np.greater, tb)
         return res
 
     # counts: comparisons of bit patterns. Zeros lie below every threshold and non-finite x
     # above every one (|x * s| is NaN or Inf), so both come back out by their counts.
     th = _thresholds(w)
     if scale == 1.0:
-        above = above_x(th.both)
+        above = above_x(th.both, th.plan_both)
         ax, af = above[:, th.x_at], above[:, th.fmt_at]
     else:
         y = sc.d[:n].view(w.float)[:n] if w is _F32 else sc.sq[:n]
         np.multiply(x, w.float(scale), out=y)
         np.abs(y, out=y)
-        ax, af = above_x(th.x), above_of(y.view(w.int), th.fmt)
+        ax, af = above_x(th.x, th.plan_x), above_of(y.view(w.int), th.fmt)
     nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
     zeros = sizes - nonzero
     if nonfinite.any():
@@ -248,12 +327,10 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
     fnz = nonzero - nonfinite
     fnz_all = sizes - nonfinite          # finite values, zeros included
-    for fmt in ROW_FORMATS:
-        j_max, j_under, j_normal = th.index[fmt]
-        base = FMT_BASE[fmt]
-        out[:, base] = af[:, j_max]
-        out[:, base + 1] = fnz - af[:, j_under]
-        out[:, base + 2] = af[:, j_under] - af[:, j_normal]
+    j_max, j_under, j_normal = th.cols[:, 0], th.cols[:, 1], th.cols[:, 2]
+    out[:, th.bases] = af[:, j_max]
+    out[:, th.bases + 1] = fnz[:, None] - af[:, j_under]
+    out[:, th.bases + 2] = af[:, j_under] - af[:, j_normal]
 
     lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
     hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
@@ -282,11 +359,23 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     if not clean:
         np.copyto(d, 0.0, where=~mask)
     if seg is None:
-        out[0, Stat.SUM], out[0, Stat.SUMSQ] = dots(d, ONES)
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = np.add.reduce(d), dots(d)[1]
         np.subtract(d, k[0], out=d)
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
+    elif nseg <= 8:
+        # each of a few segments as the single one above: its dots read its values where they
+        # are, where products and segment sums write and read whole float64 arrays (for many
+        # segments, the calls per segment cost more than those passes)
+        sums = out[:, Stat.SUM: Stat.SUMSQ + 1]
+        for i, ((a, m), ki) in enumerate(zip(spans, k.tolist())):
+            part = d[a: a + m]
+            sums[i] = np.add.reduce(part), dots(part)[1]
+            np.subtract(part, ki, out=part)
+            if not clean:
+                np.copyto(part, 0.0, where=~mask[a: a + m])
+            out[i, Stat.SHIFT_SUMSQ] = dots(part)[1]
     else:
         np.multiply(d, d, out=sq)
         out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
@@ -316,11 +405,12 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         out[:, Stat.BITS_LO] = lo16
         out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
         return out
-    np.copyto(d, t, casting="unsafe")
-    out[:, Stat.BITS_LO] = per_seg(d)
+    # integer sums, exact: a segment of at most 2^16 terms below 2^16 each sums below 2^32,
+    # which the work's unsigned type holds without a cast; longer ones sum in uint64
+    acc = w.uint if int(sizes.max()) <= 1 << 16 else np.uint64
+    out[:, Stat.BITS_LO] = np.add.reduceat(t, starts, dtype=acc)
     np.right_shift(u, w.uint(16), out=t)
-    np.copyto(d, t, casting="unsafe")
-    out[:, Stat.BITS_HI] = per_seg(d)
+    out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=acc)
     return out
 
 

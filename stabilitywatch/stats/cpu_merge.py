@@ -34,6 +34,11 @@ def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
 def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
     """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
     its second row in a second round."""
+    if slots.size <= 64 and len(set(slots.tolist())) == slots.size:   # each slot once: one round
+        part = dst[slots]
+        merge_host(part, src)
+        dst[slots] = part
+        return
     while slots.size:
         _, first = np.unique(slots, return_index=True)
         part = dst[slots[first]]

@@ -11,6 +11,8 @@ import torch
 from .cpu import CHUNK, SMALL, _rows, _scratch, _shift, _work_of, host_view, merge_at
 
 _F64 = torch.float64
+# dtypes torch.cat widens exactly into the held float32 (float64) arrays
+_CAT = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 
 
 class HostStage:
@@ -40,6 +42,47 @@ class HostStage:
         self._todo.setdefault(key, []).append((t.device, slot, used, n))
         self._fill[key] = used + n
         return True
+
+    def put_many(self, items: list, rows_of) -> list:
+        """put() for each (t, slot, scale) of items, the tensors of one scale and work dtype
+        copied in one call (torch.cat into the held array). Returns the indices of the items not
+        held (too large, empty, or of a dtype cat does not widen)."""
+        rest = []
+        run: list = []          # (t, slot, n) of the next copy, all of key `key`
+        key, used = None, 0
+        for i, (t, slot, scale) in enumerate(items):
+            n = t.numel()
+            if not 0 < n <= SMALL or t.dtype not in _CAT:
+                rest.append(i)
+                continue
+            k = (t.dtype == _F64, scale)
+            if k != key or used + n > CHUNK:
+                self._put_run(key, run, rows_of)
+                run, key = [], k
+                used = self._fill.get(k, 0)
+                if used + n > CHUNK:
+                    self.flush(rows_of)
+                    used = 0
+            run.append((t, slot, n))
+            used += n
+        self._put_run(key, run, rows_of)
+        return rest
+
+    def _put_run(self, key, run: list, rows_of) -> None:
+        if not run:
+            return
+        used = self._fill.get(key, 0)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = np.empty(CHUNK, dtype=np.float64 if key[0] else np.float32)
+        total = sum(n for _, _, n in run)
+        torch.cat([t.detach().resolve_neg().reshape(-1) for t, _, _ in run],
+                  out=torch.from_numpy(buf[used: used + total]))
+        todo = self._todo.setdefault(key, [])
+        for t, slot, n in run:
+            todo.append((t.device, slot, used, n))
+            used += n
+        self._fill[key] = used
 
     @property
     def held(self) -> bool:
