@@ -15,3 +15,15 @@ def test_bench_cpu_smoke(capsys):
         assert table in out
     assert "| default Config() |" in out and '| preset("full") |' in out
     assert "training thread CPU ms/step" in out
+
+
+def test_cpu_stats_ab_against_this_revision(capsys):
+    import cpu_stats_ab
+    assert cpu_stats_ab.main(["--ref", "HEAD", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines()
+            if line.split("|")[1:2] and line.split("|")[1].strip() in cpu_stats_ab.DTYPES]
+    assert len(rows) == len(cpu_stats_ab.DTYPES)
+    for line in rows:   # both trees give a time for every dtype
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert all(float(v) > 0 for v in cells[1:])
