@@ -99,3 +99,11 @@ def test_bench_torchao_smoke(capsys):
     for kind in ("no monitor", "watch (default)", "watch_float8 (default)",
                  "watch_float8, every step"):
         assert f"| {kind} |" in out
+
+
+def test_diagnose_step_kernels_smoke(capsys):
+    import diagnose_step_kernels
+    assert diagnose_step_kernels.main(["--smoke", "--configs", "none;every=1", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "llama, every=1: CPU op (self) time per step over none's" in out
+    assert out.count("\n| ") >= 6   # the header and five names
