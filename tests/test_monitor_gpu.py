@@ -11,17 +11,18 @@ from stabilitywatch.demo import build_model, make_batch, train_step
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def train_without_syncs(tmp_path, config: sw.Config, before_close=None) -> sw.Monitor:
-    """6 monitored steps of the demo model; steps 2-5 (after allocations and kernel compilation)
-    under set_sync_debug_mode("error"). Returns the closed monitor (before_close(mon) runs
-    before it closes)."""
+def train_without_syncs(tmp_path, config: sw.Config, before_close=None,
+                        steps: int = 6) -> sw.Monitor:
+    """`steps` monitored steps of the demo model; from step 2 on (after allocations and kernel
+    compilation) under set_sync_debug_mode("error"). Returns the closed monitor
+    (before_close(mon) runs before it closes)."""
     model = build_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     gen = torch.Generator().manual_seed(0)
-    data = [make_batch(gen, "cuda") for _ in range(6)]
+    data = [make_batch(gen, "cuda") for _ in range(steps)]
     mon = sw.watch(model, opt, config=config, run_dir=tmp_path)
     try:
-        for step in range(6):
+        for step in range(steps):
             if step == 2:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
