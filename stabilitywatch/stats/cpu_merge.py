@@ -34,7 +34,8 @@ def merge_host(dst: np.ndarray, src: np.ndarray) -> None:
 def merge_at(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
     """dst[slots[i]] <- merge(dst[slots[i]], src[i]) in order: a slot that comes twice takes
     its second row in a second round."""
-    if slots.size <= 64 and len(set(slots.tolist())) == slots.size:   # each slot once: one round
+    # each slot once: one round
+    if slots.size <= 64 and len(set(slots.tolist())) == slots.size:   # sync-ok: numpy
         part = dst[slots]
         merge_host(part, src)
         dst[slots] = part

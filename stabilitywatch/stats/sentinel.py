@@ -97,7 +97,8 @@ class SentinelFrame:
 
     def first_bad(self) -> Optional[int]:
         """Index of the first gradient in backward order that holds NaN/Inf, or None."""
-        bad = (np.asarray(self.nonfinite) > 0).nonzero()[0]   # np.flatnonzero of a 1-D array
+        # np.flatnonzero of a 1-D array
+        bad = (np.asarray(self.nonfinite) > 0).nonzero()[0]   # sync-ok: numpy
         return int(bad[0]) if len(bad) else None
 
     @property

@@ -105,7 +105,7 @@ def _group(keep: list, total: int, o: np.ndarray) -> list:
     o[rows, C_SUMSQ] += sq[clean]
     if clean.all():
         return []
-    return [keep[k] for k in np.flatnonzero(~clean).tolist()]
+    return [keep[k] for k in np.flatnonzero(~clean).tolist()]   # sync-ok: numpy
 
 
 def _wide(n: int) -> tuple:
