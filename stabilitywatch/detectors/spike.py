@@ -123,14 +123,11 @@ class SpikeDetector(Detector):
             # judge against the recent level too, whichever is lower
             recent = w.recent(cfg.spike.loss_recent)
             base = min(med, recent)
-            # the threshold is at least the last two terms: the noise (two more sorts) is
-            # worked out only for a loss above them
-            if loss - base > max(cfg.spike.loss_rel * abs(base), 1e-12):
-                sigma = w.noise()[1]
-                thr = max(cfg.spike.z * sigma, cfg.spike.loss_rel * abs(base), 1e-12)
-            else:
-                thr = None
-            if thr is not None and loss - base > thr:
+            floor = max(cfg.spike.loss_rel * abs(base), 1e-12)
+            # the noise term (two more sorts) can only raise the threshold above the floor:
+            # worked out only for a loss past the floor
+            thr = max(cfg.spike.z * w.noise()[1], floor) if loss - base > floor else floor
+            if loss - base > thr:
                 level = (f"its median {med:.4g} over the last {len(w)} steps" if base == med else
                          f"its recent level {recent:.4g} (median of the last "
                          f"{min(len(w), cfg.spike.loss_recent)} steps; {med:.4g} over the last "

@@ -142,8 +142,6 @@ def _derive_scalar(rows: np.ndarray, scales: list) -> dict[str, list]:
                      top - l_amax_s if has and amax_s > 0 else nan]
         vals.append(l_absmax - l_nz if has and absmax > 0 and isfinite(nz) else nan)
         got.append(vals)
-    if len(got) == 1:   # the loss row alone: most frames
-        return {k: [v] for k, v in zip(NAMES, got[0])}
     return {k: list(col) for k, col in zip(NAMES, zip(*got))}
 
 
