@@ -22,8 +22,9 @@ time grows with them).
 
 `--blocks N` runs the configurations of a model side by side instead (one model, optimizer and
 monitor each, built once): after `--skip` steps of each, N rounds of `--block-steps` steps of
-each configuration in turn (the order rotating every round), a sync around each block; the
-ratio is the configuration's total time over `none`'s, and the range is over rounds. A host
+each configuration in turn (the order rotating every round), a sync around each block and,
+within its time, a wait for its monitor's frame processing to catch up (so that none runs on into
+the next configuration's block); the ratio is the configuration's total time over `none`'s, and the range is over rounds. A host
 whose speed drifts moves every configuration alike. It prints where the cost budget set each
 monitor's cadence (`Config.cost_budget`, stabilitywatch/pacing.py). A `fixed` configuration
 is the default at `cost_budget=0` (statistics every 10th step whatever they cost).
@@ -210,6 +211,10 @@ def side_by_side(model, kinds, device, smoke, out, blocks, block_steps, skip, la
             t = time.perf_counter()
             go(k, block_steps, timed=True)
             sync()
+            # the block's frames queued by now are processed within its time: none of its
+            # processing runs on while the next configuration's block is timed
+            if built[k][3] is not None:
+                built[k][3].processor.wait_all()
             times[k].append(time.perf_counter() - t)
     by_phase = {k: [[] for _ in range(10)] for k in kinds}   # GPU ms by step % 10
     for k, lst in spans.items():
