@@ -121,6 +121,28 @@ def test_batched_rows_match_one_tensor_at_a_time():
         assert_rows_match(rows[i], reference_row(t, s), label=f"tensor {i} {t.dtype} {t.numel()}")
 
 
+@pytest.mark.parametrize("nseg", [3, 20, cpu.FEW_SEGMENTS, cpu.FEW_SEGMENTS + 1, 80])
+@pytest.mark.parametrize("dname,dtype", [DTYPES[0], DTYPES[1], DTYPES[3]],
+                         ids=["fp32", "bf16", "fp64"])
+def test_one_batch_of_many_segments_with_and_without_non_finite_values(dname, dtype, nseg):
+    # the sums take per-segment dots up to FEW_SEGMENTS segments, whole-array passes beyond:
+    # both against the reference, with NaN/Inf in some segments (their sums skip them) and a
+    # first element (the shift) that is zero or not finite in others
+    g = torch.Generator().manual_seed(nseg)
+    ts = []
+    for i in range(nseg):
+        x = torch.randn(7 + 53 * (i % 9), generator=g, dtype=torch.float64) * 10.0 ** (i % 5 - 2)
+        if i % 4 == 1:
+            x[2::5] = NAN
+            x[3::7] = INF
+        if i % 6 == 2:
+            x[0] = 0.0 if i % 12 == 2 else -INF
+        ts.append(x.to(dtype))
+    rows = cpu.cpu_rows(ts, [1.0] * nseg)
+    for i, t in enumerate(ts):
+        assert_rows_match(rows[i], reference_row(t), label=f"segment {i} of {nseg} {dname}")
+
+
 def test_merge_host_is_merge_into():
     g = torch.Generator().manual_seed(9)
     parts = [torch.randn(n, generator=g) * 10 + 3 for n in (5, 1, 300, 70)]

@@ -34,6 +34,11 @@ from .cpu_work import (_F32, _F64, CHUNK, SMALL, _layout, _load, _Scratch,  # no
                        _scratch, _thresholds, _Work, _work_of, host_view)
 
 
+# up to this many segments, each one's sums are short dots over its own values (a few calls per
+# segment); beyond, whole-array products and segment sums
+FEW_SEGMENTS = 32
+
+
 def _bincount(idx: np.ndarray, n: int) -> np.ndarray:
     # torch's bincount reads small integers about twice as fast as numpy's
     return host_view(torch.bincount(torch.from_numpy(idx), minlength=n))
@@ -201,7 +206,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
-    elif nseg <= 8:
+    elif nseg <= FEW_SEGMENTS:
         # each of a few segments as the single one above: its dots read its values where they
         # are, where products and segment sums write and read whole float64 arrays (for many
         # segments, the calls per segment cost more than those passes)
