@@ -3,10 +3,7 @@ and sinks. It holds no statistics logic of its own."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
-import operator
 import os
 import platform
 import time
@@ -22,7 +19,7 @@ from .capture.context import CaptureContext
 from .capture.manager import CaptureManager
 from .capture.treeio import config_to_json
 from .config import Config, Role
-from .detectors.base import Cooldown, idle
+from .detectors.base import Cooldown
 from .detectors import build_detectors
 from .distributed import make_coordinator
 from .distributed.coordinator import dist_info
@@ -37,14 +34,15 @@ from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
 from .hooks.taps import FORWARD_ROLES, Taps, compiled_model, planned_rows
-from .incidents import CAUSES, Incidents, change_records, is_change_point
+from .incidents import Incidents
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .kernels.backend import kernel_backend
 from .hooks.tensors import float_tensors
 from .observe_args import check_observe
 from .processing import Processor
 from .records import FrameRecords
-from .rundir import fresh_run_dir
+from .rundir import fresh_run_dir, write_manifest
+from .handling import FrameHandling
 from .pacing import Pacer
 from .schedule import Schedule
 from .sinks.factory import make_sinks
@@ -58,7 +56,7 @@ _assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_re
                            lambda fn: fn)
 
 
-class Monitor:
+class Monitor(FrameHandling):
     """Watches one model (and optionally its optimizer). Build it with `stabilitywatch.watch`."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -499,100 +497,18 @@ class Monitor:
         if self.capture is not None:
             self.capture.on_frame(frame, [])
 
-    def _handle(self, frame: StatsFrame) -> None:
-        """Detectors, incidents, capture, records and sinks for one frame: on the processing
-        thread (processing.py), each part a stage of its own."""
-        run = self.processor.stage
-        step = frame.step   # _process gave a merged frame this rank's sentinel
-        if getattr(frame, "rerun", False):   # only where the values first went bad
-            alerts = [dataclasses.replace(a, extra={**a.extra, "rerun": True})
-                      for d in self.detectors if d.name == "nonfinite"
-                      for a in run(f"detector '{d.name}'", d.check, frame, key=("det", id(d)),
-                                   default=[], step=step) if self.cooldown.allow(a)]
-            alerts, _ = run("grouping into incidents", self.incidents.group, frame, alerts,
-                            default=(alerts, []), step=step)   # the skipped step's incident
-            self._emit(self._capture(frame, alerts))
-            return
-        # change points are evidence for incidents, not alerts of their own, and each bad write
-        # is an event of its own: no cooldown for either
-        alerts = [a for det in self._detectors_for(frame)
-                  for a in run(f"detector '{det.name}'", det.check, frame, key=("det", id(det)),
-                               default=[], step=step)
-                  if is_change_point(a) or a.detector in CAUSES or self.cooldown.allow(a)]
-        changes: list = []
-        if alerts:   # without alerts, the next two stages give ([], []) and [] and change nothing
-            alerts = self.dist.annotate(frame, alerts)   # which ranks hold a merged row's NaN/Inf
-            # incidents: roots first (the order sinks receive is alerts.jsonl's file order);
-            # change points in no incident go to stats.jsonl
-            alerts, changes = run("grouping into incidents", self.incidents.group, frame, alerts,
-                                  default=(alerts, []), step=step)
-            # "step skipped"; escalation (posted to the training thread)
-            alerts = run("the guard's notes and escalation", self.control.on_alerts, frame,
-                         alerts, default=alerts, step=step)
-        alerts = self._capture(frame, alerts)
-        recs = run("stats records", self._records, frame, default=[], step=step)
-        if changes and recs:
-            recs += change_records(frame, changes, {k: v for k, v in recs[0].items()
-                                                    if k not in ("module", "tensor", "stats")})
-        self._emit(alerts)
-        self.sinks.log(recs)
-
-    def _detectors_for(self, frame: StatsFrame) -> list:
-        """The detectors to run on a frame: those not idle on its keys (worked out once per row
-        set and list of detectors; a detector added to `self.detectors` later is seen)."""
-        dets, rs = self.detectors, frame.row_set
-        got = self._busy.get(rs)
-        if got is None or len(got[0]) != len(dets) or not all(map(operator.is_, got[0], dets)):
-            if got is None and len(self._busy) >= 8:
-                self._busy.pop(next(iter(self._busy)))
-            got = self._busy[rs] = (tuple(dets), [d for d in dets if not idle(d, rs.keys)])
-        return got[1]
-
-    def _emit(self, alerts: list) -> None:
-        self.processor.check_live()   # a replaced processing thread writes nothing
-        for a in alerts:
-            self.alerts.append(a)
-            self.sinks.alert(a)
-
-    def _capture(self, frame: StatsFrame, alerts: list) -> list:
-        # writes a bundle when asked for; sets Alert.capture
-        if self.capture is None:
-            return alerts
-        return self.processor.stage("capture", self.capture.on_frame, frame, alerts,
-                                    default=alerts, step=frame.step)
-
-    def _records(self, frame: StatsFrame) -> list[dict]:
-        base = {"schema": SCHEMA_VERSION, "step": frame.step, "rank": frame.rank,
-                "world_size": frame.world_size, **self.dist.record_fields(frame)}
-        if self.schedule.escalated(frame.step):
-            base["escalated"] = True
-        return self._frame_records(frame, base)
-
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("stabilitywatch: %s", msg)
 
     def _write_manifest(self, **more: Any) -> None:
-        info = {"schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
-                "config": config_to_json(self.config), "model_factory": self.model_factory,
-                "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
-                "versions": {"torch": torch.__version__, "python": platform.python_version()},
-                **more}
-        name = "run.json" if self.rank == 0 else f"run.rank{self.rank}.json"
-        path, tmp = self.run_dir / name, self.run_dir / f".{name}.tmp"
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # replaced whole, never cut: on a full disk the one written at watch() stays
-            try:
-                tmp.write_text(json.dumps(info, indent=2))
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("stabilitywatch: cannot write %s (%s); going on without it",
-                        self.run_dir / name, e)
-
+        write_manifest(self.run_dir, self.rank, {
+            "schema": SCHEMA_VERSION, "rank": self.rank, "world_size": self.world_size,
+            "config": config_to_json(self.config), "model_factory": self.model_factory,
+            "step_fn": self.step_fn, "modules": [n for n, _ in self.modules],
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            **more})
 
 def _guard_skipped(frame: StatsFrame) -> bool:
     sent = frame.sentinel

@@ -99,3 +99,19 @@ def _process_start() -> Optional[float]:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def write_manifest(run_dir: Path, rank: int, info: dict) -> None:
+    """run.json (rank 0) or run.rank{r}.json, replaced whole, never cut: on a full disk the one
+    written before stays. A failure is one warning; the run goes on."""
+    name = "run.json" if rank == 0 else f"run.rank{rank}.json"
+    path, tmp = run_dir / name, run_dir / f".{name}.tmp"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.write_text(json.dumps(info, indent=2))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("stabilitywatch: cannot write %s (%s); going on without it", run_dir / name, e)
