@@ -37,6 +37,11 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 def pytest_collection_modifyitems(config, items):
+    # The `slow` tests (8-10 s each) run first. pytest-xdist's worksteal gives each worker a
+    # contiguous share of this order and moves tests from the end of one worker's queue to an
+    # idle worker, but never the last two: collected last (tests/zoo), they held one worker
+    # for up to 15 s after the other had finished.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     # Kernels on CPU tensors run only under the Triton interpreter. With real Triton
     # (STABILITYWATCH_REAL_TRITON=1, for the GPU files) those tests would fail with "cpu
     # tensor?": they are skipped, naming why; CI runs them with the interpreter.
