@@ -27,8 +27,8 @@ $(VPY):
 # One pip run installs it with the project: a second run costs its own start-up and index
 # look-ups (~3 s), and the project's requirements are resolved against that torch.
 $(STAMP): $(VPY) pyproject.toml
-	@if $(VPY) -c "import torch" 2>/dev/null; then \
-	  echo "torch already present: $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
+	@if v=$$($(VPY) -c "import torch; print(torch.__version__)" 2>/dev/null); then \
+	  echo "torch already present: $$v"; \
 	  torch=; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 	  torch=torch; \
