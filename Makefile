@@ -24,15 +24,19 @@ $(VPY):
 
 # torch: keep whatever torch the interpreter already sees (a GPU machine's own build);
 # otherwise take the CPU build 2.13.0 on a machine without a GPU, plain torch on one with.
+# One pip run installs it with the project: a second run costs its own start-up and index
+# look-ups (~3 s), and the project's requirements are resolved against that torch.
 $(STAMP): $(VPY) pyproject.toml
-	@if $(VPY) -c "import torch" 2>/dev/null; then \
-	  echo "torch already present: $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
+	@if v=$$($(VPY) -c "import torch; print(torch.__version__)" 2>/dev/null); then \
+	  echo "torch already present: $$v"; \
+	  torch=; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PIP) torch; \
+	  torch=torch; \
 	else \
-	  $(PIP) torch==2.13.0; \
-	fi
-	$(PIP) -e ".[dev]"
+	  torch=torch==2.13.0; \
+	fi; \
+	echo "$(PIP) $$torch -e \".[dev]\""; \
+	$(PIP) $$torch -e ".[dev]"
 	@# once here, not in each of the suite's first processes at the same time
 	$(RUN) -c "import torch, stabilitywatch"
 	@touch $(STAMP)

@@ -295,7 +295,11 @@ def test_no_run_of_its_own_before_close_when_the_user_never_starts_one(tmp_path)
 
 def test_killed_run_keeps_the_alerts_table(tmp_path):
     # the process dies without close(): the alerts so far are in the run's summary. A process
-    # of its own (torch, wandb and its service start again): ~10-20 s here
+    # of its own (torch and wandb start again): ~5 s here. It takes this process's W&B service
+    # (wandb.setup(): the documented set-up for child processes), which outlives it; a service
+    # of its own would be stopped with it, losing what it had not yet written. That service
+    # writes a run's records to its file every 15 s (x_transaction_log_flush_interval): the
+    # child's run asks for 0.2 s, so the read below does not wait for the default.
     script = textwrap.dedent(f"""
         import os, time
         from stabilitywatch.alert import Alert, Severity
@@ -308,7 +312,9 @@ def test_killed_run_keeps_the_alerts_table(tmp_path):
         time.sleep(0.5)
         os._exit(9)
     """)
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline"}
+    wandb.setup()
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline",
+           "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": "0.2"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
     assert proc.returncode == 9
     (path,) = wandb_reader.find_run_files(str(tmp_path))
