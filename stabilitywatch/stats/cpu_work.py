@@ -138,9 +138,6 @@ def _layout(starts: np.ndarray, n: int, w: _Work, sc: _Scratch) -> _Layout:
 
 _local = threading.local()
 
-# the float32 value of each e4m3 bit pattern, by torch's own conversion
-_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
-
 
 def _scratch(w: _Work) -> _Scratch:
     # one set per thread and work dtype: calls on other threads never share one
@@ -184,3 +181,8 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory (DLPack: shared, writable). CPU memory is read in
     place; there is no device to wait for."""
     return np.from_dlpack(t.detach())
+
+
+# the float32 value of each e4m3 bit pattern, by torch's own conversion (at import, on the CPU)
+_E4M3 = host_view(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(
+    torch.float32))
