@@ -306,3 +306,25 @@ def test_batched_rows_with_values_at_the_thresholds(dname, dtype):
     rows = cpu.cpu_rows(ts, [1.0] * len(ts))
     for i, t in enumerate(ts):
         assert_rows_match(rows[i], reference_row(t), label=f"tensor {i} {dname}")
+
+
+@pytest.mark.parametrize("lowest", ["subnormal", "tiny-normal", "zeros-only", "dense"])
+@pytest.mark.parametrize("dname,dtype", DTYPES, ids=[d for d, _ in DTYPES])
+def test_smallest_nonzero_of_one_tensor_whatever_its_lowest_exponent_holds(dname, dtype, lowest):
+    # one tensor: the smallest nonzero |x| is looked for in its lowest occupied exponent field,
+    # alone when that field holds few values; zeros share field 0 with the subnormals
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4096, generator=g, dtype=torch.float64) * 3).to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    if lowest == "subnormal":
+        x[7], x[8], x[9] = 0.0, -tiny / 4, tiny / 2   # -0.0 and +0.0 below them
+        x[10] = -0.0
+    elif lowest == "tiny-normal":
+        x[100], x[200] = -tiny * 1.5, tiny * 1.25
+    elif lowest == "zeros-only":
+        x[:] = 0.0
+        x[3] = -0.0
+    else:
+        x[:] = 1.5
+        x[::5] = -1.75
+    assert_rows_match(cpu.cpu_row(x), reference_row(x), label=f"{dname} {lowest}")

@@ -79,16 +79,16 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         return np.cumsum(per[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
 
     b = x.view(w.int)
-    ab, tmp, mask = sc.ab[:n], sc.tmp[:n], sc.mask[:n]
+    ab, tmp, mask, ex = sc.ab[:n], sc.tmp[:n], sc.mask[:n], sc.ex[:n]
     np.bitwise_and(b, w.int(w.mag), out=ab)   # |x| as bits
 
     # exponent field counts: the histogram, and most counts below without a pass of their own
-    np.right_shift(ab, w.exp_shift, out=tmp)
+    np.right_shift(ab, w.exp_shift, out=ex, casting="unsafe")
     if seg is None:
-        ecount = _bincount(tmp, w.n_exp)
+        ecount = _bincount(ex, w.n_exp)
     else:
         idx = sc.idx[:n]
-        np.add(seg.ebase, tmp, out=idx, casting="unsafe")   # tmp < n_exp
+        np.add(seg.ebase, ex, out=idx, casting="unsafe")   # ex < n_exp
         ecount = _bincount(idx, nseg * w.n_exp)
     ecount = ecount.reshape(nseg, w.n_exp).astype(np.float64)
     # beyond[:, e]: values whose exponent field exceeds e
@@ -108,6 +108,8 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             return np.array([np.count_nonzero(mask[a: a + m]) for a, m in spans], np.float64)
         return np.add.reduceat(mask, starts, dtype=np.int64).astype(np.float64)
 
+    narrow = ex.itemsize < ab.itemsize
+
     def above_x(tbits, plan):
         # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
         # T's own exponent above T. None are when T is its exponent's largest pattern; when T
@@ -118,11 +120,12 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
             inside = etotal[e]
             if not inside:
                 continue
-            if inside * 16 <= n and (len(todo) > 1 or seg is not None):
+            if inside * 16 <= n and (len(todo) > 1 or seg is not None or narrow):
                 # few values of T's exponent: they alone answer for every T of it (one pass
-                # finds them), by segment without a pass of their own (one T of one segment:
-                # its own comparison costs no more)
-                np.equal(tmp, e, out=mask)
+                # over the exponents finds them), by segment without a pass of their own (one T
+                # of one segment: its own comparison over |x| costs no more, unless the
+                # exponents are narrower than |x|)
+                np.equal(ex, e, out=mask)
                 pos = np.flatnonzero(mask)
                 v = ab[pos]
                 at = None if seg is None else np.searchsorted(starts, pos, "right") - 1
@@ -180,11 +183,7 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     hist[:, 0] = ecount[:, : lo + 1].sum(axis=1) - zeros
     hist[:, -1] = ecount[:, lo + HIST_BINS - 1:].sum(axis=1) - nonfinite
 
-    # smallest nonzero finite |x|: zeros wrap to the largest unsigned pattern, Inf/NaN lie above
-    # every finite pattern
-    np.subtract(ab, 1, out=tmp)
-    m = per_seg(tmp.view(w.uint), np.minimum).astype(w.int) + 1
-    out[:, Stat.ABSMIN_NZ] = np.where((m > 0) & (m < w.inf), m, w.inf).view(w.float)
+    out[:, Stat.ABSMIN_NZ] = _absmin_nz(ab, ex, ecount, zeros, per_seg, seg is None, w, sc)
 
     clean = not nonfinite.any()
     if clean:
@@ -197,12 +196,16 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     out[:, Stat.ABSMAX] = np.maximum(-mn.astype(np.float64), mx)
 
     d, sq = sc.d[:n], sc.sq[:n]
-    np.copyto(d, x)
-    if not clean:
-        np.copyto(d, 0.0, where=~mask)
+    if w is _F64 and clean:
+        src = x   # float64 with nothing to zero: the sums read x where it is
+    else:
+        src = d
+        np.copyto(d, x)
+        if not clean:
+            np.copyto(d, 0.0, where=~mask)
     if seg is None:
-        out[0, Stat.SUM], out[0, Stat.SUMSQ] = np.add.reduce(d), dots(d)[1]
-        np.subtract(d, k[0], out=d)
+        out[0, Stat.SUM], out[0, Stat.SUMSQ] = np.add.reduce(src), dots(src)[1]
+        np.subtract(src, k[0], out=d)
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         out[0, Stat.SHIFT_SUMSQ] = dots(d)[1]
@@ -213,15 +216,15 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         sums = out[:, Stat.SUM: Stat.SUMSQ + 1]
         for i, ((a, m), ki) in enumerate(zip(spans, k.tolist())):   # sync-ok: numpy
             part = d[a: a + m]
-            sums[i] = np.add.reduce(part), dots(part)[1]
-            np.subtract(part, ki, out=part)
+            sums[i] = np.add.reduce(src[a: a + m]), dots(src[a: a + m])[1]
+            np.subtract(src[a: a + m], ki, out=part)
             if not clean:
                 np.copyto(part, 0.0, where=~mask[a: a + m])
             out[i, Stat.SHIFT_SUMSQ] = dots(part)[1]
     else:
-        np.multiply(d, d, out=sq)
-        out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(d), per_seg(sq)
-        np.subtract(d, np.repeat(k, sizes), out=d)
+        np.multiply(src, src, out=sq)
+        out[:, Stat.SUM], out[:, Stat.SUMSQ] = per_seg(src), per_seg(sq)
+        np.subtract(src, np.repeat(k, sizes), out=d)
         if not clean:
             np.copyto(d, 0.0, where=~mask)
         np.multiply(d, d, out=sq)
@@ -232,16 +235,19 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
 
     # fingerprint: the low and high 16 bits of each (32-bit, NaN canonical) pattern, summed in
     # float64 (exact: each term is below 2^16)
-    u = b.view(w.uint)
-    if w is _F64:
-        u = (u ^ (u >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    if w is _F64:   # the XOR of each pattern's two 32-bit halves (their order does not matter)
+        halves32 = b.view(np.uint32)
+        u = sc.folded[:n]
+        np.bitwise_xor(halves32[0::2], halves32[1::2], out=u)
+    else:
+        u = b.view(np.uint32)
     if out[:, Stat.NAN].any():
-        u = np.where(ab > w.inf, np.array(0x7FC00000, dtype=w.uint), u)
-    if seg is None and w is _F32 and n <= 1 << 17:
+        u = np.where(ab > w.inf, np.uint32(0x7FC00000), u)
+    if seg is None and n <= 1 << 17:
         out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = halves(u, sc.words)
         return out
-    t = tmp.view(w.uint)
-    np.bitwise_and(u, w.uint(0xFFFF), out=t)
+    t = tmp.view(np.uint32)[:n]
+    np.bitwise_and(u, np.uint32(0xFFFF), out=t)
     if seg is None:   # integer sums, exact: the high halves are the rest of the whole patterns'
         lo16 = int(np.add.reduce(t, dtype=np.uint64))
         out[:, Stat.BITS_LO] = lo16
@@ -249,11 +255,36 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         return out
     # integer sums, exact: a segment of at most 2^16 terms below 2^16 each sums below 2^32,
     # which the work's unsigned type holds without a cast; longer ones sum in uint64
-    acc = w.uint if int(sizes.max()) <= 1 << 16 else np.uint64
+    acc = np.uint32 if int(sizes.max()) <= 1 << 16 else np.uint64
     out[:, Stat.BITS_LO] = np.add.reduceat(t, starts, dtype=acc)
-    np.right_shift(u, w.uint(16), out=t)
+    np.right_shift(u, np.uint32(16), out=t)
     out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=acc)
     return out
+
+
+def _absmin_nz(ab, ex, ecount, zeros, per_seg, single: bool, w: _Work, sc: _Scratch):
+    """[nseg] smallest nonzero finite |x| of each segment."""
+    n = ab.size
+    if single:
+        # one tensor: its smallest nonzero finite values lie in its lowest exponent field that
+        # holds any (field 0 also holds the zeros; the last, Inf and NaN). When that field is
+        # sparse, one pass over the exponents finds them.
+        held = ecount[0, :-1].copy()
+        held[0] -= zeros[0]
+        fields = np.flatnonzero(held)
+        if not fields.size:
+            return np.full(1, np.inf)
+        e = int(fields[0])
+        if held[e] * 16 <= n:
+            v = ab[np.flatnonzero(np.equal(ex, e, out=sc.mask[:n]))]
+            if e == 0:
+                v = v[v > 0]
+            return np.array([v.min()], dtype=w.int).view(w.float).astype(np.float64)
+    # zeros wrap to the largest unsigned pattern, Inf/NaN lie above every finite pattern
+    tmp = sc.tmp[:n]
+    np.subtract(ab, 1, out=tmp)
+    m = per_seg(tmp.view(w.uint), np.minimum).astype(w.int) + 1
+    return np.where((m > 0) & (m < w.inf), m, w.inf).view(w.float)
 
 
 def _shift(first: np.ndarray) -> np.ndarray:

@@ -101,6 +101,11 @@ class _Scratch:
         self.x = np.empty(CHUNK, dtype=w.float)
         self.ab = np.empty(CHUNK, dtype=w.int)
         self.tmp = np.empty(CHUNK, dtype=w.int)
+        # exponent fields: float64's in int16 (an int64 bincount reads 8 bytes a value, twice
+        # the time), float32's in tmp itself (a shift into int32 costs half one into int16)
+        self.ex = self.tmp if w.int is np.int32 else np.empty(CHUNK, dtype=np.int16)
+        # float64 patterns folded to 32 bits for the fingerprint
+        self.folded = np.empty(CHUNK if w.int is np.int64 else 0, dtype=np.uint32)
         self.mask = np.empty(CHUNK, dtype=np.bool_)
         self.cls = np.empty(CHUNK, dtype=np.uint8)
         self.d = np.empty(CHUNK, dtype=np.float64)
