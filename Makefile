@@ -37,8 +37,9 @@ $(STAMP): $(VPY) pyproject.toml
 	fi; \
 	echo "$(PIP) $$torch -e \".[dev]\""; \
 	$(PIP) $$torch -e ".[dev]"
-	@# once here, not in each of the suite's first processes at the same time
-	$(RUN) -c "import torch, stabilitywatch"
+	@# once here, not in each of the suite's first processes at the same time: the imports,
+	@# and the CPU statistics' compiled loops (numba caches them beside their source)
+	$(RUN) -c "import torch, stabilitywatch; from stabilitywatch.stats import cpu_jit; cpu_jit.wait()"
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -11,6 +11,8 @@ tensor_stats: 65,536 values, the median of many calls, next to the pure-torch re
 (stats/reference.py) it is tested against. The gradient sentinel: every parameter gradient of the
 small GPT-2 after one backward, numpy (stats/sentinel_cpu.py, the monitor's path on the CPU)
 against the pure-torch twin (stats/sentinel.py), the median of many calls. Prints markdown tables.
+The CPU statistics are the compiled loops (stats/cpu_jit.py, waited for before any timing) where
+numba is installed; --numpy times the numpy passes instead.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 import stabilitywatch as sw
 from stabilitywatch.demo import run_demo
+from stabilitywatch.stats import cpu_jit
 from stabilitywatch.stats.reference import reference_row
 from stabilitywatch.stats.sentinel import COLS, sentinel_reference
 from stabilitywatch.stats.sentinel_cpu import sentinel_host
@@ -145,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
     p.add_argument("--smoke", action="store_true", help="tiny run for the test suite")
+    p.add_argument("--numpy", action="store_true",
+                   help="the numpy passes throughout, not the compiled loops")
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.warmup, a.repeats, a.calls, a.batch, a.seq = 2, 1, 1, 3, 2, 16
@@ -153,6 +158,11 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch thread(s), load average {load:.1f} at start")
+    if a.numpy:
+        cpu_jit.ENABLED = False
+    t0 = time.perf_counter()
+    compiled = cpu_jit.wait()   # compiled once per machine (numba caches it), before any timing
+    print(f"# CPU statistics: {'compiled loops, ready in %.1f s' % (time.perf_counter() - t0) if compiled else 'numpy passes'}")
 
     print("\n| tensor_stats, 65,536 values | CPU path (ms) | reference (ms) |")
     print("|---|---:|---:|")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .config import Config
 from .monitor import watch
+from .stats import cpu_jit
 
 log = logging.getLogger("stabilitywatch")
 
@@ -149,6 +150,11 @@ def run_demo(out: "str | Path" = "runs/demo", device: Optional[str] = None, step
     """Train the demo model for `steps` steps; baseline=True first runs the same steps without
     the monitor, for the step time it costs (both in the result)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if monitor and device == "cpu":
+        # the CPU statistics' compiled loops (numba): compiled once, seconds, then cached on
+        # disk; a monitor answers with numpy passes until they are ready, and the demo times
+        # steps, so it waits for them before any timed step
+        cpu_jit.wait()
     base = (run_demo(out, device, steps, fault_step, monitor=False).ms_per_step
             if baseline and monitor else None)
     model = build_model().to(device)

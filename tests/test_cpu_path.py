@@ -1,4 +1,5 @@
-"""The CPU path (stats/cpu.py) field by field against the reference (stats/reference.py)."""
+"""The CPU path (stats/cpu.py) field by field against the reference (stats/reference.py): every
+test runs twice, once on the numpy passes and once on the compiled loops (stats/cpu_jit.py)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ import torch
 from rowcheck import assert_rows_match
 from stabilitywatch.formats import FORMATS, ROW_FORMATS
 from stabilitywatch.kernels import dispatch
-from stabilitywatch.stats import cpu
+from stabilitywatch.stats import cpu, cpu_jit
 from stabilitywatch.stats.buffer import StatsBuffer
 from stabilitywatch.kernels.backend import tensor_stats
 from stabilitywatch.kernels.backend import kernel_backend
@@ -20,6 +21,17 @@ from stabilitywatch.stats.layout import (HIST_EMIN, N_STATS, Stat, init_row, ini
 from stabilitywatch.stats.reference import reference_row
 
 INF, NAN = math.inf, math.nan
+
+
+@pytest.fixture(autouse=True, params=["numpy", "compiled"])
+def path(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setattr(cpu_jit, "ENABLED", False)
+    else:
+        if not cpu_jit.ENABLED:
+            pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): no compiled loops")
+        assert cpu_jit.wait(), "the compiled loops did not compile within the wait"
+    return request.param
 DTYPES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
           ("fp64", torch.float64), ("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)]
 

@@ -26,6 +26,7 @@ import torch
 from .layout import HIST_BINS, HIST_EMIN, N_STATS, Stat, init_row, merge_rows
 from .reference import SUPPORTED_DTYPES
 from .cpu_merge import merge_at, merge_host  # noqa: F401 (the CPU path's row merges)
+from . import cpu_jit
 from .cpu_sums import dots, halves
 from .scale import effective_scale
 
@@ -46,7 +47,51 @@ def _bincount(idx: np.ndarray, n: int) -> np.ndarray:
 
 def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Work,
           sc: _Scratch) -> np.ndarray:
-    """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k."""
+    """Rows of the segments x[starts[i]:starts[i+1]] (each nonempty), at shifts k: by the
+    compiled loops once they are compiled, by numpy passes until then or without numba."""
+    if cpu_jit.ready(w.float):
+        return _rows_compiled(x, starts, k, scale, w, sc)
+    cpu_jit.warm((_F32, _F64))
+    return _rows_numpy(x, starts, k, scale, w, sc)
+
+
+def _rows_compiled(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Work,
+                   sc: _Scratch) -> np.ndarray:
+    th = _thresholds(w)
+    t = cpu_jit.tallies(x, starts, k, scale, w, th, sc)
+    nseg = starts.size
+    sizes = np.diff(np.append(starts, x.size)).astype(np.float64)
+    out = np.zeros((nseg, N_STATS), dtype=np.float64)
+    above = t.above.astype(np.float64)
+    if scale == 1.0:
+        ax, af = above[:, th.x_at], above[:, th.fmt_at]
+    else:
+        ax, af = above, t.fmt.astype(np.float64)
+    ints = t.ints
+    _, nonfinite, finite = _fill_counts(out, ax, af, ints[:, 0].astype(np.float64),
+                                        t.ecount.astype(np.float64), sizes, scale, th, w)
+    out[:, Stat.ABSMIN_NZ] = np.minimum(ints[:, 3], w.inf).astype(w.int).view(w.float)
+    # extrema of the finite values: numpy's min and max run in vector lanes, numba's do not
+    if not nonfinite.any():
+        if nseg == 1:
+            mn, mx = np.minimum.reduce(x)[None], np.maximum.reduce(x)[None]
+        else:
+            mn, mx = np.minimum.reduceat(x, starts), np.maximum.reduceat(x, starts)
+    else:
+        fin = sc.ab[: x.size] < w.inf
+        lo_x, hi_x = np.where(fin, x, np.inf), np.where(fin, x, -np.inf)
+        mn, mx = np.minimum.reduceat(lo_x, starts), np.maximum.reduceat(hi_x, starts)
+    out[:, Stat.MIN], out[:, Stat.MAX] = mn, mx
+    out[:, Stat.ABSMAX] = np.maximum(-mn.astype(np.float64), mx)
+    out[:, Stat.SUM], out[:, Stat.SUMSQ], out[:, Stat.SHIFT_SUMSQ] = t.sums.T
+    out[:, Stat.SHIFT] = k
+    out[:, Stat.SHIFT_SUM] = out[:, Stat.SUM] - finite * k
+    out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = ints[:, 4], ints[:, 5]
+    return out
+
+
+def _rows_numpy(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Work,
+                sc: _Scratch) -> np.ndarray:
     n, nseg = x.size, starts.size
     out = np.zeros((nseg, N_STATS), dtype=np.float64)
     # seg: the segments' layout, None for a single tensor (whole-array reductions)
@@ -156,33 +201,11 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
         np.multiply(x, w.float(scale), out=y)
         np.abs(y, out=y)
         ax, af = above_x(th.x, th.plan_x), above_of(y.view(w.int), th.fmt)
-    nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
-    zeros = sizes - nonzero
-    if nonfinite.any():
-        posinf = np.diff(above_of(b, np.array([w.inf - 1, w.inf], dtype=w.int)), axis=1)[:, 0]
-        posinf = -posinf
+    if ax[:, 1].any():
+        posinf = -np.diff(above_of(b, np.array([w.inf - 1, w.inf], dtype=w.int)), axis=1)[:, 0]
     else:
         posinf = np.zeros(nseg)
-    out[:, Stat.NUMEL] = sizes
-    out[:, Stat.NAN] = nan
-    out[:, Stat.POSINF] = posinf
-    out[:, Stat.NEGINF] = nonfinite - nan - posinf
-    out[:, Stat.ZEROS] = zeros
-    # af[:, j] over finite nonzero x only
-    af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
-    fnz = nonzero - nonfinite
-    fnz_all = sizes - nonfinite          # finite values, zeros included
-    j_max, j_under, j_normal = th.cols[:, 0], th.cols[:, 1], th.cols[:, 2]
-    out[:, th.bases] = af[:, j_max]
-    out[:, th.bases + 1] = fnz[:, None] - af[:, j_under]
-    out[:, th.bases + 2] = af[:, j_under] - af[:, j_normal]
-
-    lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
-    hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
-    hist[:] = ecount[:, lo: lo + HIST_BINS]
-    hist[:, 0] = ecount[:, : lo + 1].sum(axis=1) - zeros
-    hist[:, -1] = ecount[:, lo + HIST_BINS - 1:].sum(axis=1) - nonfinite
-
+    zeros, nonfinite, fnz_all = _fill_counts(out, ax, af, posinf, ecount, sizes, scale, th, w)
     out[:, Stat.ABSMIN_NZ] = _absmin_nz(ab, ex, ecount, zeros, per_seg, seg is None, w, sc)
 
     clean = not nonfinite.any()
@@ -260,6 +283,35 @@ def _rows(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w: _Wo
     np.right_shift(u, np.uint32(16), out=t)
     out[:, Stat.BITS_HI] = np.add.reduceat(t, starts, dtype=acc)
     return out
+
+
+def _fill_counts(out, ax, af, posinf, ecount, sizes, scale: float, th, w: _Work) -> tuple:
+    """The counts and the histogram of rows `out` from the tallies: ax [nseg, 3] values whose
+    |x| bits exceed 0, the largest finite and inf; af [nseg, len(th.fmt)] those whose |x * scale|
+    bits exceed each format threshold; ecount [nseg, n_exp] values per exponent field (all
+    float64). Returns (zeros, nonfinite, finite) per segment."""
+    nonzero, nonfinite, nan = ax[:, 0], ax[:, 1], ax[:, 2]
+    zeros = sizes - nonzero
+    out[:, Stat.NUMEL] = sizes
+    out[:, Stat.NAN] = nan
+    out[:, Stat.POSINF] = posinf
+    out[:, Stat.NEGINF] = nonfinite - nan - posinf
+    out[:, Stat.ZEROS] = zeros
+    # af[:, j] over finite nonzero x only
+    af = af - (nonfinite + (zeros if scale == math.inf else 0.0))[:, None]
+    fnz = nonzero - nonfinite
+    fnz_all = sizes - nonfinite          # finite values, zeros included
+    j_max, j_under, j_normal = th.cols[:, 0], th.cols[:, 1], th.cols[:, 2]
+    out[:, th.bases] = af[:, j_max]
+    out[:, th.bases + 1] = fnz[:, None] - af[:, j_under]
+    out[:, th.bases + 2] = af[:, j_under] - af[:, j_normal]
+
+    lo = w.exp_bias + HIST_EMIN            # exponent field of the first bin
+    hist = out[:, Stat.HIST: Stat.HIST + HIST_BINS]
+    hist[:] = ecount[:, lo: lo + HIST_BINS]
+    hist[:, 0] = ecount[:, : lo + 1].sum(axis=1) - zeros
+    hist[:, -1] = ecount[:, lo + HIST_BINS - 1:].sum(axis=1) - nonfinite
+    return zeros, nonfinite, fnz_all
 
 
 def _absmin_nz(ab, ex, ecount, zeros, per_seg, single: bool, w: _Work, sc: _Scratch):
