@@ -51,9 +51,15 @@ from .stats.buffer import Phase, StatsBuffer, StatsFrame
 from .stats.reference import SUPPORTED_DTYPES, is_supported
 
 log = logging.getLogger("stabilitywatch")
-# a method dynamo calls on the host while it traces, its answer a constant of the graph
-_assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result",
-                           lambda fn: fn)
+
+
+def _assume_constant(fn):
+    """torch.compiler.assume_constant_result(fn): a method dynamo calls on the host while it
+    traces, its answer a constant of the graph. That function only sets this attribute, but
+    calling it at class definition imports torch._dynamo (~1 s) with the package;
+    tests/test_import_cost.py checks the two mark a function alike."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 class Monitor(FrameHandling):
