@@ -39,6 +39,7 @@ _lock = threading.Lock()
 _compiled = None
 _ready: dict = {}    # work float type -> True once its loops are compiled
 _warming = False
+_failed = False      # a compile failed: the numpy passes answer for the rest of the process
 
 
 def _get():
@@ -81,15 +82,12 @@ def tallies(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w, t
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(tb, w)
-    lanes = getattr(sc, "lanes", None)
-    if lanes is None:
-        lanes = sc.lanes = np.zeros((4, w.n_exp), dtype=np.int64)
     ints = np.empty((nseg, 6), dtype=np.int64)
     ecount = np.empty((nseg, w.n_exp), dtype=np.int64)
     sums = np.empty((nseg, 3), dtype=np.float64)
     counts = np.empty((nseg, tb.size), dtype=np.int64)
     run(x, x.view(w.int), starts, ends, np.ascontiguousarray(k, dtype=np.float64), w.int(w.mag),
-        w.int(w.inf), w.int(w.exp_shift), w.int is np.int64, sc.ab, lanes, tb, plan[0], plan[1],
+        w.int(w.inf), w.int(w.exp_shift), w.int is np.int64, sc.ab, sc.lanes, tb, plan[0], plan[1],
         ints, ecount, sums, counts)
     fmt = None
     if scale != 1.0:
@@ -114,6 +112,7 @@ def warm(works) -> None:
 
 
 def _compile(works) -> None:
+    global _failed
     from .cpu_work import _scratch, _thresholds
     for w in works:
         try:
@@ -122,6 +121,7 @@ def _compile(works) -> None:
                 tallies(x, np.array([0, 4], dtype=np.int64), np.zeros(2), scale, w,
                         _thresholds(w), _scratch(w))
         except Exception as e:   # noqa: BLE001 - a failed compile leaves the numpy passes
+            _failed = True
             import warnings
             warnings.warn(f"stabilitywatch: the compiled CPU statistics are off ({e!r}); "
                           "the numpy passes compute the rows", RuntimeWarning, stacklevel=1)
@@ -130,14 +130,15 @@ def _compile(works) -> None:
 
 
 def wait(timeout: float = 120.0) -> bool:
-    """Block until both works are compiled (tests, benchmarks); False without numba."""
+    """Block until both works are compiled (tests, benchmarks, the demo); False without numba
+    or when the compile failed."""
     import time
     from .cpu_work import _F32, _F64
     if not ENABLED:
         return False
     warm((_F32, _F64))
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    while time.monotonic() < end and not _failed:
         if ready(np.float32) and ready(np.float64):
             return True
         time.sleep(0.01)

@@ -106,6 +106,8 @@ class _Scratch:
         self.ex = self.tmp if w.int is np.int32 else np.empty(CHUNK, dtype=np.int16)
         # float64 patterns folded to 32 bits for the fingerprint
         self.folded = np.empty(CHUNK if w.int is np.int64 else 0, dtype=np.uint32)
+        # the compiled loops' exponent counts in four lanes (stats/cpu_loops.py), kept zeroed
+        self.lanes = np.zeros((4, w.n_exp), dtype=np.int64)
         self.mask = np.empty(CHUNK, dtype=np.bool_)
         self.cls = np.empty(CHUNK, dtype=np.uint8)
         self.d = np.empty(CHUNK, dtype=np.float64)
