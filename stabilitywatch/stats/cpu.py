@@ -1,20 +1,23 @@
 """Statistics rows of CPU tensors in a few vectorised passes: the CPU path.
 
-stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value goes through
-~20 numpy passes over chunks that stay in cache, and many small tensors share the same passes
-(one concatenation; per-tensor results by reduceat and by bincount over segments). The numbers
+stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value is read by the
+compiled loops of stats/cpu_jit.py (numba: four loops per chunk) or, while they compile and
+where numba is absent, by ~20 numpy passes, over chunks that stay in cache; many small tensors
+share the same passes (one concatenation; per-tensor results by segment). Both gather the same
+tallies, which one assembly (_fill_counts and the lines around it) turns into rows. The numbers
 are the reference's: counts, extrema, histogram and fingerprint bit for bit, sums to rounding
 (float64, another summation order).
 
 How: with its sign cleared, a float's bit pattern orders like its magnitude, so every count is
 an integer comparison of bit patterns against a threshold's bit pattern (the threshold cast to
-the work dtype, as torch casts a Python scalar). The comparisons add up to one class per value
-and one bincount counts the classes. The exponent histogram is a bincount of the exponent
-field: zeros land in its first bin and Inf/NaN in its last, and their counts come back out.
+the work dtype, as torch casts a Python scalar). The exponent histogram is a count of the
+exponent field: zeros land in its first bin and Inf/NaN in its last, and their counts come back
+out; it also answers every threshold whose own exponent field holds no values.
 
-Values work in float32 (float64 tensors in float64), as in the reference. numpy runs on the
-calling thread (its BLAS dots are short enough that OpenBLAS does not split them over its own
-threads); the upcast to float32 runs in torch, on torch's threads. CPU memory is host memory: nothing here waits for a device.
+Values work in float32 (float64 tensors in float64), as in the reference. The loops and numpy
+run on the calling thread (numpy's BLAS dots are short enough that OpenBLAS does not split them
+over its own threads); the upcast to float32 runs in torch, on torch's threads. CPU memory is
+host memory: nothing here waits for a device.
 """
 from __future__ import annotations
 
