@@ -33,7 +33,7 @@ from .hooks.observers import attach_observers, detach_observers
 from .hooks.selectors import select_modules
 from .hooks.sentinel import SentinelTap
 from .hooks.update import UpdateTap
-from .hooks.taps import FORWARD_ROLES, Taps, compiled_model, planned_rows
+from .hooks.taps import FORWARD_ROLES, Taps, assume_constant, compiled_model, planned_rows
 from .incidents import Incidents
 from .kernels import op as _op  # noqa: F401  (registers torch.ops.stabilitywatch.*)
 from .kernels.backend import kernel_backend
@@ -51,15 +51,6 @@ from .stats.buffer import Phase, StatsBuffer, StatsFrame
 from .stats.reference import SUPPORTED_DTYPES, is_supported
 
 log = logging.getLogger("stabilitywatch")
-
-
-def _assume_constant(fn):
-    """torch.compiler.assume_constant_result(fn): a method dynamo calls on the host while it
-    traces, its answer a constant of the graph. That function only sets this attribute, but
-    calling it at class definition imports torch._dynamo (~1 s) with the package;
-    tests/test_import_cost.py checks the two mark a function alike."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 class Monitor(FrameHandling):
@@ -449,7 +440,7 @@ class Monitor(FrameHandling):
         torch.ops.stabilitywatch.accumulate_row(self.buffer.rows_of(t.device), slot, t, scale,
                                                 self.config.backend.value)
 
-    @_assume_constant
+    @assume_constant   # a method dynamo calls on the host while it traces: a graph constant
     def _traced_slot(self, module: str, role: str, dtype: torch.dtype, device: torch.device,
                      phase: int):
         # runs on the host at trace time (its answer is a constant of the graph); from now on

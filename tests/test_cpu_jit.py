@@ -1,7 +1,10 @@
-"""The CPU path's compiled loops when their compile fails: one warning, the numpy passes answer,
-and nothing waits for loops that will never come."""
+"""The CPU path's compiled loops around their compile: when it fails, one warning, the numpy
+passes answer and nothing waits for loops that will never come; a child forked mid-compile
+compiles its own."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -31,3 +34,45 @@ def test_a_failed_compile_warns_and_leaves_the_numpy_passes(monkeypatch):
     x = torch.randn(5000, dtype=torch.float64) * 7
     x[::97] = float("nan")
     assert_rows_match(cpu.cpu_row(x), reference_row(x), label="after a failed compile")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_mid_compile_compiles_its_own_and_never_waits_on_the_parents_lock(
+        monkeypatch):
+    if not cpu_jit.ENABLED:
+        pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): nothing to compile")
+    # the parent as its compile thread leaves it mid-import: the import lock held, not ready
+    monkeypatch.setattr(cpu_jit, "_ready", {})
+    monkeypatch.setattr(cpu_jit, "_warming", True)
+    monkeypatch.setattr(cpu_jit, "_failed", False)
+    x = torch.randn(3000) * 5
+    want = reference_row(x)
+    with cpu_jit._import_lock:
+        pid = os.fork()
+        if pid == 0:   # the child: rows at once (numpy), then its own compiled loops
+            code = 1
+            try:
+                signal.alarm(60)
+                assert_rows_match(cpu.cpu_row(x), want, label="child, first row")
+                assert cpu_jit.wait(timeout=50)
+                assert_rows_match(cpu.cpu_row(x), want, label="child, compiled")
+                code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_rows_while_numba_imports_do_not_wait_for_it(monkeypatch):
+    if not cpu_jit.ENABLED:
+        pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): nothing to compile")
+    monkeypatch.setattr(cpu_jit, "_ready", {})
+    monkeypatch.setattr(cpu_jit, "_warming", False)
+    monkeypatch.setattr(cpu_jit, "_failed", False)
+    x = torch.randn(3000) * 5
+    with cpu_jit._import_lock:   # as the compile thread holds it while numba imports
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert_rows_match(cpu.cpu_row(x), reference_row(x), label="while compiling")
+        assert time.monotonic() - t0 < 2.0
+    assert cpu_jit.wait(timeout=60)

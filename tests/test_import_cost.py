@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from stabilitywatch.monitor import Monitor, _assume_constant
+from stabilitywatch.hooks.taps import assume_constant
+from stabilitywatch.monitor import Monitor
 
 
 def test_the_package_import_leaves_dynamo_unimported():
@@ -25,7 +26,7 @@ def test_assume_constant_marks_a_function_as_torch_does():
     def theirs():
         return 1
 
-    _assume_constant(ours)
+    assume_constant(ours)
     torch.compiler.assume_constant_result(theirs)
     assert vars(ours) == vars(theirs) != {}
     assert vars(Monitor._traced_slot) == vars(theirs)

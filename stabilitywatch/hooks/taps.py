@@ -33,6 +33,14 @@ def _eager(fn):
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
+def assume_constant(fn):
+    """torch.compiler.assume_constant_result(fn), which only sets this attribute; calling it at a
+    class definition would import torch._dynamo (~1 s) with the package.
+    tests/test_import_cost.py checks that the two mark a function alike."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _compiling() -> bool:
     return bool(_is_compiling())
 

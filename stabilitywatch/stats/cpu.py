@@ -1,7 +1,7 @@
 """Statistics rows of CPU tensors in a few vectorised passes: the CPU path.
 
 stats/reference.py (the oracle) makes ~60 torch calls per tensor; here each value is read by the
-compiled loops of stats/cpu_jit.py (numba: four loops per chunk) or, while they compile and
+compiled loops of stats/cpu_jit.py (numba: four loops per tensor) or, while they compile and
 where numba is absent, by ~20 numpy passes, over chunks that stay in cache; many small tensors
 share the same passes (one concatenation; per-tensor results by segment). Both gather the same
 tallies, which one assembly (_fill_counts and the lines around it) turns into rows. The numbers
@@ -73,7 +73,7 @@ def _rows_compiled(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: floa
     ints = t.ints
     _, nonfinite, finite = _fill_counts(out, ax, af, ints[:, 0].astype(np.float64),
                                         t.ecount.astype(np.float64), sizes, scale, th, w)
-    out[:, Stat.ABSMIN_NZ] = np.minimum(ints[:, 3], w.inf).astype(w.int).view(w.float)
+    out[:, Stat.ABSMIN_NZ] = ints[:, 3].astype(w.int).view(w.float)
     # extrema of the finite values: numpy's min and max run in vector lanes, numba's do not
     if not nonfinite.any():
         if nseg == 1:
@@ -269,16 +269,11 @@ def _rows_numpy(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, 
         u = b.view(np.uint32)
     if out[:, Stat.NAN].any():
         u = np.where(ab > w.inf, np.uint32(0x7FC00000), u)
-    if seg is None and n <= 1 << 17:
+    if seg is None:   # n <= CHUNK = 2^17 values: what halves takes
         out[:, Stat.BITS_LO], out[:, Stat.BITS_HI] = halves(u, sc.words)
         return out
     t = tmp.view(np.uint32)[:n]
     np.bitwise_and(u, np.uint32(0xFFFF), out=t)
-    if seg is None:   # integer sums, exact: the high halves are the rest of the whole patterns'
-        lo16 = int(np.add.reduce(t, dtype=np.uint64))
-        out[:, Stat.BITS_LO] = lo16
-        out[:, Stat.BITS_HI] = (int(np.add.reduce(u, dtype=np.uint64)) - lo16) >> 16
-        return out
     # integer sums, exact: a segment of at most 2^16 terms below 2^16 each sums below 2^32,
     # which the work's unsigned type holds without a cast; longer ones sum in uint64
     acc = np.uint32 if int(sizes.max()) <= 1 << 16 else np.uint64

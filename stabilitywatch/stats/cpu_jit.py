@@ -30,21 +30,35 @@ class Tallies(NamedTuple):
     above: np.ndarray    # [nseg, len(tbits)] values whose |x| bits exceed each threshold
     fmt: Optional[np.ndarray]   # [nseg, len(fmt bits)] the same of |x * scale| (None at scale 1)
     ecount: np.ndarray   # [nseg, n_exp] values per exponent field of |x|
-    ints: np.ndarray     # [nseg, 6] +Inf, non-finite, NaN, smallest nonzero |x| bits (inf when
-    #                      none is finite), the fingerprint's low and high 16-bit sums
+    ints: np.ndarray     # [nseg, 6] +Inf, zero and NaN counts, the smallest nonzero |x| bits
+    #                      (inf when no finite value is nonzero), the fingerprint's 16-bit sums
     sums: np.ndarray     # [nseg, 3] sum, sum of squares, sum of squares of x - k (finite x)
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()          # warm(): one compile thread per process
+_import_lock = threading.Lock()   # _get(): held while numba imports; warm() never waits on it
 _compiled = None
 _ready: dict = {}    # work float type -> True once its loops are compiled
 _warming = False
 _failed = False      # a compile failed: the numpy passes answer for the rest of the process
 
 
+def _after_fork_in_child() -> None:
+    # a forked child has no compile thread, and a lock the thread held stays held in it: fresh
+    # locks, and a compile of its own where the parent's had not finished
+    global _lock, _import_lock, _warming
+    _lock, _import_lock = threading.Lock(), threading.Lock()
+    if not _failed and len(_ready) < 2:
+        _warming = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _get():
     global _compiled
-    with _lock:
+    with _import_lock:
         if _compiled is None:
             from . import cpu_loops
             _compiled = cpu_loops.run, cpu_loops.run_scaled
@@ -101,18 +115,29 @@ def warm(works) -> None:
     """Compile the loops of each work (stats/cpu_work.py's _F32, _F64) on a thread of its own,
     once per process; ready() tells when each is done."""
     global _warming
-    if not ENABLED:
+    if not ENABLED or _warming:   # the common case, without the lock
         return
     with _lock:
         if _warming:
             return
         _warming = True
-    threading.Thread(target=_compile, args=(tuple(works),), name="stabilitywatch-cpu-jit",
-                     daemon=True).start()
+    try:
+        threading.Thread(target=_compile, args=(tuple(works),), name="stabilitywatch-cpu-jit",
+                         daemon=True).start()
+    except Exception as e:   # noqa: BLE001 - e.g. no thread left to start: the numpy passes
+        _give_up(e)
+
+
+def _give_up(e: Exception) -> None:
+    global _failed
+    import warnings
+    # the warning before the flag: wait() returns on the flag, and the warning must be out then
+    warnings.warn(f"stabilitywatch: the compiled CPU statistics are off ({e!r}); the numpy "
+                  "passes compute the rows", RuntimeWarning, stacklevel=2)
+    _failed = True
 
 
 def _compile(works) -> None:
-    global _failed
     from .cpu_work import _scratch, _thresholds
     for w in works:
         try:
@@ -121,10 +146,7 @@ def _compile(works) -> None:
                 tallies(x, np.array([0, 4], dtype=np.int64), np.zeros(2), scale, w,
                         _thresholds(w), _scratch(w))
         except Exception as e:   # noqa: BLE001 - a failed compile leaves the numpy passes
-            _failed = True
-            import warnings
-            warnings.warn(f"stabilitywatch: the compiled CPU statistics are off ({e!r}); "
-                          "the numpy passes compute the rows", RuntimeWarning, stacklevel=1)
+            _give_up(e)
             return
         _ready[w.float] = True
 

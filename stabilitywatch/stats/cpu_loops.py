@@ -12,17 +12,17 @@ jit = numba.njit(cache=True, nogil=True)
 
 @jit
 def integers(xb, mag, inf, fold, ab, out):
-    # |x| bits into ab; out: +Inf, non-finite and NaN counts, the smallest nonzero |x| bits
-    # (inf when none is finite), the fingerprint's low and high 16-bit sums. Integer work
-    # only: it runs in vector lanes.
-    lo = hi = npos = nonfin = nan = 0
+    # |x| bits into ab; out: +Inf, zero and NaN counts, the smallest nonzero |x| bits (inf
+    # when no finite value is nonzero), the fingerprint's low and high 16-bit sums. Integer
+    # work only: it runs in vector lanes.
+    lo = hi = npos = zeros = nan = 0
     small = inf
     for i in range(xb.size):
         bits = xb[i]
         m = bits & mag
         ab[i] = m
         npos += np.int64(bits == inf)
-        nonfin += np.int64(m >= inf)
+        zeros += np.int64(m == 0)
         nan += np.int64(m > inf)
         small = min(small, m if m != 0 else inf)
         u = np.int64(0x7FC00000) if m > inf else np.int64(bits)
@@ -31,7 +31,7 @@ def integers(xb, mag, inf, fold, ab, out):
         u &= 0xFFFFFFFF
         lo += u & 0xFFFF
         hi += u >> 16
-    out[0], out[1], out[2], out[3], out[4], out[5] = npos, nonfin, nan, small, lo, hi
+    out[0], out[1], out[2], out[3], out[4], out[5] = npos, zeros, nan, small, lo, hi
 
 
 @jit
@@ -74,9 +74,10 @@ def count_above(bits, t):
 
 
 @jit
-def above(bits, tbits, t_exp, t_kind, ecount, out):
+def above(bits, tbits, t_exp, t_kind, ecount, inf, ints, out):
     # values whose bits exceed each threshold T: those of higher exponent fields from the
-    # counts, or, when T's own field holds values and T is not its largest pattern (kind 1),
+    # counts; the nonzero values (T = 0) and the NaNs (T = inf) from the integer loop's counts;
+    # otherwise, when T's own field holds values and T is not its largest pattern (kind 1),
     # one compare-and-add pass
     beyond = 0
     e = ecount.size - 1
@@ -84,7 +85,15 @@ def above(bits, tbits, t_exp, t_kind, ecount, out):
         while e > t_exp[j]:
             beyond += ecount[e]
             e -= 1
-        out[j] = count_above(bits, tbits[j]) if t_kind[j] and ecount[t_exp[j]] else beyond
+        t = tbits[j]
+        if t == 0:
+            out[j] = bits.size - ints[1]
+        elif t == inf:
+            out[j] = ints[2]
+        elif t_kind[j] and ecount[t_exp[j]]:
+            out[j] = count_above(bits, t)
+        else:
+            out[j] = beyond
 
 
 @jit
@@ -102,7 +111,7 @@ def run(x, xb, starts, ends, k, mag, inf, shift, fold, ab, lanes, tbits, t_exp, 
         integers(xb[a:b], mag, inf, fold, abs_, ints[s])
         histogram(abs_, shift, lanes, ecount[s])
         sums(x[a:b], abs_, inf, k[s], sumsout[s])
-        above(abs_, tbits, t_exp, t_kind, ecount[s], counts[s])
+        above(abs_, tbits, t_exp, t_kind, ecount[s], inf, ints[s], counts[s])
 
 
 @jit
