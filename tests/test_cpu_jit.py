@@ -15,12 +15,17 @@ from stabilitywatch.stats import cpu, cpu_jit
 from stabilitywatch.stats.reference import reference_row
 
 
-def test_a_failed_compile_warns_and_leaves_the_numpy_passes(monkeypatch):
+@pytest.fixture
+def uncompiled(monkeypatch):
+    """The process as before its first CPU row: nothing compiled, no compile thread."""
     if not cpu_jit.ENABLED:
         pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): nothing to compile")
     monkeypatch.setattr(cpu_jit, "_ready", {})
     monkeypatch.setattr(cpu_jit, "_warming", False)
     monkeypatch.setattr(cpu_jit, "_failed", False)
+
+
+def test_a_failed_compile_warns_and_leaves_the_numpy_passes(uncompiled, monkeypatch):
 
     def broken():
         raise RuntimeError("no LLVM here")
@@ -38,13 +43,9 @@ def test_a_failed_compile_warns_and_leaves_the_numpy_passes(monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_mid_compile_compiles_its_own_and_never_waits_on_the_parents_lock(
-        monkeypatch):
-    if not cpu_jit.ENABLED:
-        pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): nothing to compile")
+        uncompiled, monkeypatch):
     # the parent as its compile thread leaves it mid-import: the import lock held, not ready
-    monkeypatch.setattr(cpu_jit, "_ready", {})
     monkeypatch.setattr(cpu_jit, "_warming", True)
-    monkeypatch.setattr(cpu_jit, "_failed", False)
     x = torch.randn(3000) * 5
     want = reference_row(x)
     with cpu_jit._import_lock:
@@ -63,12 +64,7 @@ def test_a_child_forked_mid_compile_compiles_its_own_and_never_waits_on_the_pare
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_rows_while_numba_imports_do_not_wait_for_it(monkeypatch):
-    if not cpu_jit.ENABLED:
-        pytest.skip("numba is not installed (or STABILITYWATCH_CPU_JIT=0): nothing to compile")
-    monkeypatch.setattr(cpu_jit, "_ready", {})
-    monkeypatch.setattr(cpu_jit, "_warming", False)
-    monkeypatch.setattr(cpu_jit, "_failed", False)
+def test_rows_while_numba_imports_do_not_wait_for_it(uncompiled):
     x = torch.randn(3000) * 5
     with cpu_jit._import_lock:   # as the compile thread holds it while numba imports
         t0 = time.monotonic()
