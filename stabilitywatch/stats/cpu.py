@@ -162,7 +162,7 @@ def _rows_numpy(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, 
         # above_of(ab, tbits) from the exponent counts: beyond T's exponent, plus the values of
         # T's own exponent above T. None are when T is its exponent's largest pattern; when T
         # is the smallest, all are but those equal to T (one equality pass, most often empty)
-        e_t, bins = plan
+        e_t, bins, _ = plan
         res = beyond[:, e_t]
         for e, todo in bins:
             inside = etotal[e]

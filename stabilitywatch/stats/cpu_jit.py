@@ -16,9 +16,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import time
+import warnings
 from typing import NamedTuple, Optional
 
 import numpy as np
+
+from .cpu_work import _F32, _F64, _scratch, _thresholds
 
 # numba is optional (the numpy passes answer without it), and imported only by the thread that
 # compiles: `import stabilitywatch` does not pay for it. STABILITYWATCH_CPU_JIT=0: never compile.
@@ -71,17 +75,6 @@ def ready(float_type) -> bool:
     return ENABLED and _ready.get(float_type, False)
 
 
-def _plan(tbits: np.ndarray, w) -> tuple:
-    # each threshold's exponent field, and 0 when it is its field's largest pattern (no value of
-    # its field lies above it), else 1
-    e = (tbits >> w.exp_shift).astype(np.int64)
-    kind = ((tbits & w.mant) != w.mant).astype(np.int64)
-    return e, kind
-
-
-_plans: dict = {}
-
-
 def tallies(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w, th,
             sc) -> Tallies:
     """The tallies of segments x[starts[i]:starts[i+1]] at shifts k (w: the work, th: its
@@ -91,17 +84,13 @@ def tallies(x: np.ndarray, starts: np.ndarray, k: np.ndarray, scale: float, w, t
     ends = np.empty(nseg, dtype=np.int64)
     ends[:-1] = starts[1:]
     ends[-1] = n
-    tb = th.both if scale == 1.0 else th.x
-    key = (w.float, scale == 1.0)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _plan(tb, w)
+    tb, (t_exp, _, t_kind) = (th.both, th.plan_both) if scale == 1.0 else (th.x, th.plan_x)
     ints = np.empty((nseg, 6), dtype=np.int64)
     ecount = np.empty((nseg, w.n_exp), dtype=np.int64)
     sums = np.empty((nseg, 3), dtype=np.float64)
     counts = np.empty((nseg, tb.size), dtype=np.int64)
     run(x, x.view(w.int), starts, ends, np.ascontiguousarray(k, dtype=np.float64), w.int(w.mag),
-        w.int(w.inf), w.int(w.exp_shift), w.int is np.int64, sc.ab, sc.lanes, tb, plan[0], plan[1],
+        w.int(w.inf), w.int(w.exp_shift), w.int is np.int64, sc.ab, sc.lanes, tb, t_exp, t_kind,
         ints, ecount, sums, counts)
     fmt = None
     if scale != 1.0:
@@ -130,7 +119,6 @@ def warm(works) -> None:
 
 def _give_up(e: Exception) -> None:
     global _failed
-    import warnings
     # the warning before the flag: wait() returns on the flag, and the warning must be out then
     warnings.warn(f"stabilitywatch: the compiled CPU statistics are off ({e!r}); the numpy "
                   "passes compute the rows", RuntimeWarning, stacklevel=2)
@@ -138,7 +126,6 @@ def _give_up(e: Exception) -> None:
 
 
 def _compile(works) -> None:
-    from .cpu_work import _scratch, _thresholds
     for w in works:
         try:
             x = np.zeros(8, dtype=w.float)
@@ -154,8 +141,6 @@ def _compile(works) -> None:
 def wait(timeout: float = 120.0) -> bool:
     """Block until both works are compiled (tests, benchmarks, the demo); False without numba
     or when the compile failed."""
-    import time
-    from .cpu_work import _F32, _F64
     if not ENABLED:
         return False
     warm((_F32, _F64))

@@ -77,8 +77,8 @@ def count_above(bits, t):
 def above(bits, tbits, t_exp, t_kind, ecount, inf, ints, out):
     # values whose bits exceed each threshold T: those of higher exponent fields from the
     # counts; the nonzero values (T = 0) and the NaNs (T = inf) from the integer loop's counts;
-    # otherwise, when T's own field holds values and T is not its largest pattern (kind 1),
-    # one compare-and-add pass
+    # otherwise, when T's own field holds values and T is not its largest pattern (kind not
+    # 0: stats/cpu_work.py's _plan), one compare-and-add pass
     beyond = 0
     e = ecount.size - 1
     for j in range(tbits.size - 1, -1, -1):   # thresholds ascending: fields descending

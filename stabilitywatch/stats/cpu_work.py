@@ -85,7 +85,9 @@ def _plan(tbits: np.ndarray, w: "_Work") -> tuple:
     for j, e, tb, kind in out:
         if kind:
             bins.setdefault(e, []).append((j, tb, kind))
-    return np.array([e for _, e, _, _ in out], dtype=np.int64), list(bins.items())
+    # (exponents, bins of the thresholds that compare within theirs, each threshold's kind)
+    return (np.array([e for _, e, _, _ in out], dtype=np.int64), list(bins.items()),
+            np.array([kind for _, _, _, kind in out], dtype=np.int64))
 
 
 def _work_of(dtype: torch.dtype) -> _Work:
