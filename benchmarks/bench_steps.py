@@ -11,7 +11,8 @@ under torchao float8 training (tensorwise) and `torch.compile` (the wheel carrie
 machine). Configurations: no monitor (`none`), the default `Config()` (`default`), and
 `Config(every=1)` (`every=1`); a `,nocap` suffix adds `capture=()` (no snapshots or bundles),
 `,nosinks` adds `sinks=()`, `,nosentinel` adds `sentinel=False`, `,inline` adds
-`processing="inline"` (frames processed on the training thread). ms/step is the mean over steps
+`processing="inline"` (frames processed on the training thread), `,nohold` reads each hook's
+tensor at its hook instead of holding it for a shared launch (stats/held.py). ms/step is the mean over steps
 15-44 with one sync at the end (three sampled steps of the default config: 20, 30, 40), the
 median round; the overhead range is over rounds, each against its own round's baseline.
 
@@ -95,9 +96,22 @@ def config(kind: str):
     if base not in ("default", "every=1", "fixed"):
         raise ValueError(f"unknown configuration {base!r}")
     for f in flags:
+        if f == "nohold":   # each hook's tensor read at its hook (watched() applies it)
+            continue
         kw.update({"nocap": {"capture": ()}, "nosinks": {"sinks": ()},
                    "nosentinel": {"sentinel": False}, "inline": {"processing": "inline"}}[f])
     return sw.Config(**kw)
+
+
+def watched(m, opt, kind: str, out: str):
+    """The monitor of configuration `kind` on m (None for "none")."""
+    cfg = config(kind)
+    if cfg is None:
+        return None
+    mon = sw.watch(m, opt, config=cfg, run_dir=out)
+    if "nohold" in kind.split(","):
+        mon.buffer.hold_on = ()
+    return mon
 
 
 def step(fwd, opt, ids, mon, i, device):
@@ -124,8 +138,7 @@ def run(model, kind, device, smoke, out, profile=None, layers: int = 8):
         from torch._dynamo.utils import counters
         torch._dynamo.reset()
         counters.clear()
-    cfg = config(kind)
-    mon = sw.watch(m, opt, config=cfg, run_dir=out) if cfg is not None else None
+    mon = watched(m, opt, kind, out)
     warm, steps = (2, 3) if smoke else (15, 30)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t0 = 0.0
@@ -176,8 +189,7 @@ def side_by_side(model, kinds, device, smoke, out, blocks, block_steps, skip, la
     for k in kinds:
         gc.collect()
         m, fwd, opt, ids = build(model, device, smoke, layers)
-        cfg = config(k)
-        mon = sw.watch(m, opt, config=cfg, run_dir=f"{out}/{k}") if cfg is not None else None
+        mon = watched(m, opt, k, f"{out}/{k}")
         built[k] = [fwd, opt, ids, mon, 0]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

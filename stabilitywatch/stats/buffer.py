@@ -20,6 +20,7 @@ from .cpu import cpu_rows, host_view, merge_host
 from .cpu_stage import HostStage
 from .device_rows import DeviceRows
 from .frame import Phase, StatsFrame
+from .held import HOLD_MAX_BYTES, Held
 from .plans import ManyPlan, many_sig, rebind
 from .sentinel import SentinelFrame
 from .sentinel_store import SentinelStore
@@ -29,6 +30,9 @@ from .staging import UNSEEN, Pending, read_frame, start_copies
 __all__ = ["Phase", "StatsBuffer", "StatsFrame"]
 
 log = logging.getLogger("stabilitywatch")
+
+# the phases of the hooks' records, which may be held (held.py)
+_HELD_PHASES = frozenset({Phase.FORWARD, Phase.BACKWARD})
 
 
 class StatsBuffer:
@@ -56,11 +60,17 @@ class StatsBuffer:
         self.sentinel = SentinelStore(backend)
         self._stage = HostStage()         # small CPU tensors of the step, read together
         self._recent: dict[int, SentinelFrame] = {}   # step -> sentinel of recently read frames
+        # the hooks' records on these devices wait to share launches (held.py); () = none
+        self.hold_on: tuple = ("cuda",)
+        self._held = Held()
+        self._chunks: dict[int, int] = {}   # phase -> launches of held tensors this step
 
     # -- hot path -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._step = step
         self._touched = {}
+        self._held.clear()    # a step that never ended: its rows are reset below
+        self._chunks = {}
         self._stage.clear()   # writes outside a step: their rows are reset below
         # Only the rows written since their last reset (every write marks its device's rows, in
         # or outside a step): an unsampled step writes one or two of the ~600, and resetting
@@ -71,8 +81,15 @@ class StatsBuffer:
 
     def add(self, t: torch.Tensor, module: str, role: str, phase: int,
             scale: float = 1.0, overwrite: bool = False) -> None:
-        """Merge t's statistics into the (module, role) row of this step. No host sync."""
+        """Merge t's statistics into the (module, role) row of this step. No host sync. A
+        forward or backward hook's tensor on a GPU may be held to share a later launch."""
         device = t.device
+        if (phase in _HELD_PHASES and device.type in self.hold_on and not overwrite
+                and type(scale) is float and scale == 1.0 and self._step is not None
+                and self._hold(t, module, role, phase)):
+            return
+        if self._held.items:   # what was held is launched first: the rows see writes in order
+            self._flush_held()
         slot, row = self._prepare(t, module, role, phase, scale, overwrite, device)
         try:
             ops = self.ops
@@ -87,17 +104,22 @@ class StatsBuffer:
             self._drop([slot])
             raise
 
-    def add_many(self, items: list, phase: int, overwrite: bool = False) -> None:
+    def add_many(self, items: list, phase: int, overwrite: bool = False,
+                 key: "tuple | None" = None) -> None:
         """add() for each (tensor, module, role, scale) of items; the tensors at scale 1 that the
         kernel reads share one launch per device and dtype (kernels/stats_multi.py), and the
         large float32/bf16/fp16 ones another (kernels/tile_multi.py).
-        The next call with the same tensors in the same order repeats those launches."""
+        The next call with the same tensors in the same order under the same `key` (by default
+        (phase, overwrite)) repeats those launches."""
+        if self._held.items:
+            self._flush_held()
         writing: list[int] = []   # the slots this call has begun to write
+        key = (phase, overwrite) if key is None else key
         try:
-            self._add_many(items, phase, overwrite, writing)
+            self._add_many(items, phase, overwrite, writing, key)
         except BaseException:
             # those rows hold partial sums now: none of them is read this step
-            self._plans.pop((phase, overwrite), None)
+            self._plans.pop(key, None)
             self._drop(writing)
             raise
 
@@ -106,10 +128,11 @@ class StatsBuffer:
         host's bookkeeping: the step reads every row and the next one resets them all."""
         self._untracked = True
 
-    def _add_many(self, items: list, phase: int, overwrite: bool, writing: list) -> None:
+    def _add_many(self, items: list, phase: int, overwrite: bool, writing: list,
+                  key: tuple) -> None:
         ops = self.ops
         sig = many_sig(items)
-        plan = self._plans.get((phase, overwrite))
+        plan = self._plans.get(key)
         touched = self._touched
         if (sig is not None and plan is not None and plan.shape == sig[0]
                 and touched.keys().isdisjoint(plan.slots)
@@ -154,7 +177,38 @@ class StatsBuffer:
                          in ops.accumulate_many(ts, self._dev[device].rows, ss)]
         if sig is not None and len(set(slots)) == len(slots):
             span = (min(slots), max(slots) + 1) if slots else (0, 0)
-            self._plans[(phase, overwrite)] = ManyPlan(*sig, slots, launches, singles, span)
+            self._plans[key] = ManyPlan(*sig, slots, launches, singles, span)
+
+    def _hold(self, t: torch.Tensor, module: str, role: str, phase: int) -> bool:
+        held = self._held
+        nbytes = t.numel() * t.element_size()
+        if not 0 < nbytes <= HOLD_MAX_BYTES or (module, role) in held.immediate:
+            return False
+        if not held.fits(t, phase):
+            self._flush_held()
+        if held.put(t, module, role, phase, nbytes):
+            self._flush_held()
+        return True
+
+    def _flush_held(self) -> None:
+        """Launch what is held; never raises: a failure leaves those rows out of the step and
+        turns holding off, with one warning each."""
+        kept, moved, phase = self._held.take()
+        for _, module, role, _ in moved:
+            self._held.immediate.add((module, role))
+            log.warning("stabilitywatch: %s %s was written in place after its hook: not read this "
+                        "step, read at its hook from now on", module or "<model>", role)
+        if not kept:
+            return
+        n = self._chunks.get(phase, 0)
+        self._chunks[phase] = n + 1
+        try:
+            self.add_many(kept, phase, False, ("held", phase, n))
+        except Exception as e:
+            self.hold_on = ()
+            log.warning("stabilitywatch: the statistics of %d tensors read together failed (%s: %s);"
+                        " their rows are left out of this step, and each tensor is read at its "
+                        "hook from now on", len(kept), type(e).__name__, e)
 
     def _accumulate_singles(self, items: list, singles: list) -> None:
         # one call for all: CPU tensors share the CPU path's passes (stats/cpu.py), the small
@@ -226,6 +280,8 @@ class StatsBuffer:
 
     def end_step(self) -> None:
         """Start the copies of this step's rows to host memory; never waits."""
+        if self._held.items:
+            self._flush_held()
         self._flush_stage()
         sent = self.sentinel.end_step(self._step) if self._step is not None else None
         if self._step is None or not (self._touched or self._untracked or sent):
